@@ -1,0 +1,17 @@
+"""Collect workloads from every plugin module's ``loopstack_bench_workloads`` hook."""
+
+from __future__ import annotations
+
+from ..plugin_manager import PluginCatalog
+from .workload import Workload
+
+
+def workloads(catalog: PluginCatalog) -> dict[str, Workload]:
+    """Workload name -> workload. Raises ValueError on a duplicate name."""
+    found: dict[str, Workload] = {}
+    for impl in catalog.discovery.hook.loopstack_bench_workloads.get_hookimpls():
+        for workload in impl.function() or []:
+            if workload.name in found:
+                raise ValueError(f"two workloads are named {workload.name!r} (second from {impl.plugin_name})")
+            found[workload.name] = workload
+    return found

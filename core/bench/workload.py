@@ -1,0 +1,67 @@
+"""What a benchmark workload implements.
+
+A workload measures the same work under several *columns* (by default one per stack
+given on the command line; a workload may compare backends instead, e.g. loopstack
+against transformers). The runner calls ``step`` for every column in turn, alternating
+the order each round, so drift on a noisy machine falls on every column alike.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..stack_schema import ResolvedStack
+
+SHARED_DATA = Path(os.environ.get("LOOPSTACK_SHARED_DATA", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+
+
+@dataclass
+class BenchOptions:
+    """Options of one run, from the command line."""
+
+    steps: int | None = None  # None: the workload's default
+    quick: bool = False  # a short run for tests and smoke checks
+    data_dir: Path = field(default_factory=lambda: SHARED_DATA)
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Workload(ABC):
+    """Base class of benchmark workloads (register them with ``loopstack_bench_workloads``)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    default_steps: ClassVar[int] = 10
+
+    def columns(self, stacks: list[ResolvedStack]) -> list[str]:
+        """Column names, one per thing compared. Default: the stacks' names, made unique."""
+        names: list[str] = []
+        for stack in stacks:
+            name, n = stack.name, 2
+            while name in names:
+                name, n = f"{stack.name}#{n}", n + 1
+            names.append(name)
+        return names
+
+    async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
+        """Prepare every column (load models, start servers). Called once."""
+
+    @abstractmethod
+    async def step(self, column: str, index: int) -> dict[str, float]:
+        """Run one measured round for ``column``; return the metrics it measured."""
+
+    async def teardown(self) -> None:
+        """Release what setup made. Called once, even after a failure."""
+
+    def aggregate(self, metric: str, values: list[float]) -> float:
+        """Combine a metric's per-step values (default: mean)."""
+        return statistics.fmean(values)
+
+    def config(self) -> dict[str, Any]:
+        """Settings worth recording beside the figures (goes into ``--json``)."""
+        return {}

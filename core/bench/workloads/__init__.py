@@ -1,0 +1,12 @@
+"""The kernel's own benchmark workloads, registered through the discovery hook."""
+
+from __future__ import annotations
+
+from ...markers import hookimpl
+from ..workload import Workload
+from .kernel import KernelOverheadWorkload
+
+
+@hookimpl
+def loopstack_bench_workloads() -> list[Workload]:
+    return [KernelOverheadWorkload()]

@@ -1,0 +1,96 @@
+"""A typed facade over the hook caller: one method per hook (the tox pattern).
+
+Call sites use ``ctx.hooks.visible_tools(tools=..., ctx=...)`` and get type checking
+and one place where each hook's calling convention (concatenate, first result,
+mutate) is written down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .context import RequestContext
+    from .middleware import MiddlewareFactory
+    from .tools import ToolSet
+
+
+class HookFacade:
+    """Calls hooks on the plugins of one combination of arms."""
+
+    def __init__(self, pm: pluggy.PluginManager, excluded: frozenset[object] = frozenset()) -> None:
+        self._pm = pm
+        self._excluded = excluded
+        self._callers: dict[str, Callable[..., Any]] = {}
+
+    def caller(self, name: str) -> Callable[..., Any]:
+        """The pluggy caller for hook ``name`` without the excluded plugins (cached)."""
+        caller = self._callers.get(name)
+        if caller is None:
+            if self._excluded:
+                caller = self._pm.subset_hook_caller(name, remove_plugins=self._excluded)
+            else:
+                caller = getattr(self._pm.hook, name)
+            self._callers[name] = caller
+        return caller
+
+    # kernel
+    def configure(self, runtime: Any) -> None:
+        self.caller("loopstack_configure")(runtime=runtime)
+
+    def unconfigure(self, runtime: Any) -> None:
+        self.caller("loopstack_unconfigure")(runtime=runtime)
+
+    # harness
+    def visible_tools(self, tools: ToolSet, ctx: RequestContext) -> None:
+        self.caller("loopstack_visible_tools")(tools=tools, ctx=ctx)
+
+    def extra_tools(self, ctx: RequestContext) -> list[Any]:
+        return [tool for result in self.caller("loopstack_extra_tools")(ctx=ctx) for tool in result]
+
+    def prepare_request(self, request: dict[str, Any], ctx: RequestContext) -> None:
+        self.caller("loopstack_prepare_request")(request=request, ctx=ctx)
+
+    def serialize_request(self, request: dict[str, Any], ctx: RequestContext) -> bytes | None:
+        return self.caller("loopstack_serialize_request")(request=request, ctx=ctx)
+
+    def model_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+        return [m for m in self.caller("loopstack_model_middleware")(runtime=runtime) if m is not None]
+
+    def tool_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+        return [m for m in self.caller("loopstack_tool_middleware")(runtime=runtime) if m is not None]
+
+    # api
+    def client_transport(self, ctx: RequestContext) -> Any | None:
+        return self.caller("loopstack_client_transport")(ctx=ctx)
+
+    def response_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+        return [m for m in self.caller("loopstack_response_middleware")(runtime=runtime) if m is not None]
+
+    def guards(self, ctx: RequestContext) -> list[Any]:
+        return [guard for result in self.caller("loopstack_guards")(ctx=ctx) for guard in result]
+
+    # inference
+    def route(self, request: Any, replicas: list[Any], ctx: RequestContext) -> int | None:
+        return self.caller("loopstack_route")(request=request, replicas=replicas, ctx=ctx)
+
+    def proposer(self, ctx: RequestContext) -> Any | None:
+        return self.caller("loopstack_proposer")(ctx=ctx)
+
+    def topology(self, engine_config: Any) -> Any | None:
+        return self.caller("loopstack_topology")(engine_config=engine_config)
+
+    def engine_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+        return [m for m in self.caller("loopstack_engine_middleware")(runtime=runtime) if m is not None]
+
+
+# Which facade method serves each middleware-returning hook (used by RequestContext.chain).
+MIDDLEWARE_HOOKS: dict[str, str] = {
+    "model": "model_middleware",
+    "tool": "tool_middleware",
+    "response": "response_middleware",
+    "engine": "engine_middleware",
+}

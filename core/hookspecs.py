@@ -1,0 +1,169 @@
+"""Every loopstack hook, grouped by layer.
+
+Two kinds of hooks exist:
+
+* **Discovery hooks** are module-level functions in a plugin's module. The kernel calls
+  them once per process, before any stack is loaded (for example to list benchmark
+  workloads).
+* **Stack hooks** are methods of a :class:`loopstack.Plugin` subclass. The kernel calls
+  them on the instances a stack enabled, through a hook caller that leaves out every
+  plugin whose A/B arm is "off" for the current request.
+
+Hooks are always called with keyword arguments. Hooks named ``*_middleware`` return a
+middleware factory (``Callable[[Handler], Handler]``) or ``None``; the host composes the
+returned factories once per combination of A/B arms into an async chain, outermost
+first (the order pluggy returns them: later-registered and ``tryfirst`` plugins are
+outer). So these hooks get the ``runtime``, not a request: the composed handlers are
+shared by every request with the same arms and receive ``(request, ctx)`` per call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .markers import hookspec
+
+if TYPE_CHECKING:
+    from .bench.workload import Workload
+    from .context import RequestContext
+    from .middleware import MiddlewareFactory
+    from .runtime import StackRuntime
+    from .tools import ToolSet
+
+
+# --------------------------------------------------------------------------------------
+# Discovery (module-level functions, called once per process)
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def loopstack_bench_workloads() -> list[Workload]:
+    """Return benchmark workloads this plugin brings to ``loopstack bench``.
+
+    Called once per process on plugin modules. Each workload has a unique ``name``;
+    a duplicate name is an error that names both modules.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# Kernel (stack lifecycle)
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def loopstack_configure(runtime: StackRuntime) -> None:
+    """Called once after every enabled plugin of a stack is registered.
+
+    Use it to look at other plugins or the resolved stack (``runtime.stack``) and to
+    create metrics. Raising here rejects the stack (a live reload keeps the old one).
+    """
+
+
+@hookspec
+def loopstack_unconfigure(runtime: StackRuntime) -> None:
+    """Called once when a stack is retired (shutdown, or replaced by a live reload
+    after its last request finished). Release threads, sockets and files here."""
+
+
+# --------------------------------------------------------------------------------------
+# Harness layer
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def loopstack_visible_tools(tools: ToolSet, ctx: RequestContext) -> None:
+    """Decide which tools the model sees for this request.
+
+    ``tools`` is mutable: plugins call ``tools.defer(name)``, ``tools.hide(name)`` or
+    ``tools.pin_order(key)``. Every implementation is called; none returns a value.
+    """
+
+
+@hookspec
+def loopstack_extra_tools(ctx: RequestContext) -> list[Any]:
+    """Return tools a plugin adds for this request (for example ``tool_search`` or
+    ``exec``). Results of all plugins are concatenated in hook order."""
+
+
+@hookspec
+def loopstack_prepare_request(request: dict[str, Any], ctx: RequestContext) -> None:
+    """Adjust the request the harness is about to send (a Responses API body, mutable).
+
+    Called after tools and history are assembled and before serialization. Plugins
+    that must keep the cached prefix stable append; they never reorder.
+    """
+
+
+@hookspec(firstresult=True)
+def loopstack_serialize_request(request: dict[str, Any], ctx: RequestContext) -> bytes | None:
+    """Serialize the request body to bytes. Stops at first non-None result; the
+    default (no plugin) is ``json.dumps`` with the host's settings."""
+
+
+@hookspec
+def loopstack_model_middleware(runtime: StackRuntime) -> MiddlewareFactory | None:
+    """Return a middleware around model calls (harness side), or ``None``.
+
+    The handler it wraps takes a request and yields stream events; a middleware must
+    not buffer the whole stream unless its technique requires it.
+    """
+
+
+@hookspec
+def loopstack_tool_middleware(runtime: StackRuntime) -> MiddlewareFactory | None:
+    """Return a middleware around tool calls (approval, Code Mode dispatch, tracing),
+    or ``None``."""
+
+
+# --------------------------------------------------------------------------------------
+# API layer
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def loopstack_client_transport(ctx: RequestContext) -> Any | None:
+    """Return the transport the harness's Responses client uses for this session (for
+    example a WebSocket with deltas). Stops at first non-None result; the default is
+    stateless HTTP."""
+
+
+@hookspec
+def loopstack_response_middleware(runtime: StackRuntime) -> MiddlewareFactory | None:
+    """Return a middleware around response generation on the server (for example
+    guards that overlap inference), or ``None``."""
+
+
+@hookspec
+def loopstack_guards(ctx: RequestContext) -> list[Any]:
+    """Return safety guards (async classifiers) to run for this request. Results of
+    all plugins are concatenated; third-party guards plug in here."""
+
+
+# --------------------------------------------------------------------------------------
+# Inference layer
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def loopstack_route(request: Any, replicas: list[Any], ctx: RequestContext) -> int | None:
+    """Pick the replica (index into ``replicas``) that serves ``request``. Stops at first
+    non-None result; the default is round-robin."""
+
+
+@hookspec(firstresult=True)
+def loopstack_proposer(ctx: RequestContext) -> Any | None:
+    """Return a speculative-decoding proposer (draft model, n-gram) for this request.
+    Stops at first non-None result; ``None`` everywhere means plain decoding."""
+
+
+@hookspec(firstresult=True)
+def loopstack_topology(engine_config: Any) -> Any | None:
+    """Return the engine topology (for example separate prefill and decode workers).
+    Called once when engines start. Stops at first non-None result; the default is
+    colocated replicas."""
+
+
+@hookspec
+def loopstack_engine_middleware(runtime: StackRuntime) -> MiddlewareFactory | None:
+    """Return a middleware around one engine generation (inside the router), or
+    ``None``."""

@@ -1,0 +1,28 @@
+"""Code Mode: one JavaScript program over the tools, run in embedded V8.
+
+Not implemented yet (issue 7): the config is declared so stacks can set it today.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loopstack.plugin import Layer, Plugin, PluginConfig
+
+
+class CodeModeConfig(PluginConfig):
+    timeout_s: float = Field(10.0, gt=0, description="wall-clock limit of one program")
+    heap_mb: int = Field(64, ge=8, description="V8 heap limit")
+    max_result_bytes: int = Field(16_384, ge=256, description="cap on the result that enters the context")
+    code_mode_only: bool = Field(False, description="exec (and tool_search) are the only tools the model sees")
+    context: Literal["exec", "session"] = Field("exec", description="a fresh V8 context per exec, or one per session")
+
+
+class CodeMode(Plugin):
+    name = "code_mode"
+    layers = (Layer.HARNESS,)
+    Config = CodeModeConfig
+    summary = "An exec tool: the model writes one JavaScript program over the tools, run in V8."
+    implemented = False
