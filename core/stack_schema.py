@@ -26,6 +26,9 @@ class EngineConfig(_Table):
     model: str = Field("smollm2-135m-instruct", description="embedded model name, GGUF file, or HF safetensors dir")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="weight-only quantization on CPU (auto: the fastest correct choice; none on GPU)"
+    )
     replicas: int = Field(1, ge=1, le=64)
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks per replica; null sizes it from memory")

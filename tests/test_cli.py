@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
+from kernel_support import REPO
 from loopstack.cli import main
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import REPO
+from kernel_support import REPO
 from loopstack import PluginCatalog, Session, StackLoader, StackRuntime
 
 EXAMPLE = REPO / "examples" / "loopstack-hello"

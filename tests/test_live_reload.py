@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Recorder
+from kernel_support import Recorder
 from loopstack import LiveStack, hookimpl
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from conftest import REPO
+from kernel_support import REPO
 
 
 def test_every_package_directory_is_listed_in_pyproject():

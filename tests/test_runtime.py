@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import anyio
 
-from conftest import Recorder
+from kernel_support import Recorder
 from loopstack import Session, StackLoader, StackRuntime
 
 

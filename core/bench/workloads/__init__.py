@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ...markers import hookimpl
 from ..workload import Workload
+from .engine import EngineWorkload
 from .kernel import KernelOverheadWorkload
 
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Workload]:
-    return [KernelOverheadWorkload()]
+    return [KernelOverheadWorkload(), EngineWorkload()]

@@ -1,0 +1,41 @@
+"""Prompts for engine benchmarks: real agent-session text when ../shared/data is there."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+TRAJECTORIES = "trajectories/swebench_minisweagent/full_trajectories"
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus(data_dir: Path) -> str:
+    texts: list[str] = []
+    folder = data_dir / TRAJECTORIES
+    for path in sorted(folder.glob("*.traj.json")) if folder.is_dir() else []:
+        messages = json.loads(path.read_text()).get("messages", [])
+        texts.extend(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    if not texts:  # a user's machine without the shared data: plain but deterministic text
+        texts = [f"Step {i}: run the tests, read the failure, fix the function, run them again." for i in range(3000)]
+    return "\n".join(texts)
+
+
+def bench_prompt_ids(tokenizer: Any, num_tokens: int, data_dir: Path, *, variant: int) -> list[int]:
+    """``num_tokens`` token ids of real text; each ``variant`` starts at a different place."""
+    ids = _token_ids(tokenizer, data_dir)
+    start = (variant * 7919) % max(1, len(ids) - num_tokens)
+    window = ids[start : start + num_tokens]
+    while len(window) < num_tokens:
+        window += ids[: num_tokens - len(window)]
+    return window
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ids_cached(tokenizer_id: int, tokenizer: Any, data_dir: Path) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(_corpus(data_dir)[:400_000]))
+
+
+def _token_ids(tokenizer: Any, data_dir: Path) -> list[int]:
+    return list(_token_ids_cached(id(tokenizer), tokenizer, data_dir))

@@ -1,0 +1,275 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is two tensors (K and V) shaped ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; the token at position ``p`` of a sequence lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``, i.e. at the flat slot
+``block_id * block_size + offset``. The caller (the engine's block manager) owns the block
+ids; this module only reads and writes the slots it is told to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMetadata", "allocate_kv_cache", "build_attention_mask", "paged_attention"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """Where a batch of sequences sits in the paged KV cache, for one forward call.
+
+    The forward's tokens are the new tokens of each sequence, concatenated in order
+    (``T = sum(query_lens)``). Build it with :meth:`build`; the tensors are made once per
+    forward and shared by every layer.
+
+    Attributes:
+        query_lens: new tokens of each sequence in this call.
+        context_lens: tokens of each sequence in the cache after this call (cached + new).
+        block_size: tokens per cache block.
+        block_tables: ``[B, max_blocks]`` block ids of each sequence, padded with block 0
+            past the blocks a sequence uses (padding is masked out).
+        slot_mapping: ``[T]`` flat slot where each new token's K/V is written.
+        query_index: ``[B, max_query_len]`` index into the ``T`` tokens of each sequence's
+            i-th query; padding repeats the sequence's last token.
+        output_index: ``[T]`` row of each token in the padded ``[B * max_query_len]`` output.
+        context_lens_tensor: ``[B]`` the context lengths on the device.
+    """
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    block_size: int
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_index: torch.Tensor
+    output_index: torch.Tensor
+    context_lens_tensor: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        *,
+        slot_mapping: Sequence[int] | torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Make the metadata of one forward call.
+
+        Args:
+            query_lens: new tokens per sequence (>= 1).
+            context_lens: cached + new tokens per sequence (>= its query length).
+            block_tables: block ids per sequence, covering at least its context length.
+            block_size: tokens per block.
+            slot_mapping: flat write slot of each new token; computed from the block tables
+                (positions ``context_len - query_len .. context_len - 1``) when omitted.
+            device: where the index tensors live (the model's device).
+
+        Raises:
+            ValueError: inconsistent lengths, or a block table too short for its context.
+        """
+        _validate(query_lens, context_lens, block_tables, block_size)
+        num_seqs = len(query_lens)
+        max_query_len = max(query_lens)
+        max_blocks = max(-(-c // block_size) for c in context_lens)
+        tables = [list(t[:max_blocks]) + [0] * (max_blocks - min(len(t), max_blocks)) for t in block_tables]
+        if slot_mapping is None:
+            slot_mapping = [
+                table[p // block_size] * block_size + p % block_size
+                for q, c, table in zip(query_lens, context_lens, block_tables, strict=True)
+                for p in range(c - q, c)
+            ]
+        query_index: list[list[int]] = []
+        output_index: list[int] = []
+        start = 0
+        for i, q in enumerate(query_lens):
+            query_index.append([start + min(j, q - 1) for j in range(max_query_len)])
+            output_index.extend(i * max_query_len + j for j in range(q))
+            start += q
+        long = torch.long
+        return cls(
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
+            block_size=block_size,
+            block_tables=torch.tensor(tables, dtype=long, device=device),  # [B, max_blocks]
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=long, device=device),  # [T]
+            query_index=torch.tensor(query_index, dtype=long, device=device).view(num_seqs, max_query_len),
+            output_index=torch.tensor(output_index, dtype=long, device=device),  # [T]
+            context_lens_tensor=torch.tensor(context_lens, dtype=long, device=device),  # [B]
+        )
+
+    @property
+    def has_uniform_queries(self) -> bool:
+        """All sequences have the same query length (no padding between them)."""
+        return self.query_index.numel() == self.slot_mapping.numel()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    @property
+    def max_query_len(self) -> int:
+        return self.query_index.shape[1]
+
+    def positions(self) -> torch.Tensor:
+        """``[T]`` position of each new token in its sequence."""
+        device = self.slot_mapping.device
+        return torch.cat(
+            [torch.arange(c - q, c, device=device) for q, c in zip(self.query_lens, self.context_lens, strict=True)]
+        )
+
+    def last_token_indices(self, num_last: int = 1) -> torch.Tensor:
+        """``[B * num_last]`` token indices of the last ``num_last`` new tokens of each sequence.
+
+        Pass it as ``logits_indices`` to the model; ``num_last = k + 1`` gives the logits a
+        speculative verifier needs. Raises ``ValueError`` if a sequence has fewer new tokens.
+        """
+        if num_last > min(self.query_lens):
+            raise ValueError(f"num_last={num_last} exceeds the shortest query ({min(self.query_lens)})")
+        indices: list[int] = []
+        end = 0
+        for q in self.query_lens:
+            end += q
+            indices.extend(range(end - num_last, end))
+        return torch.tensor(indices, dtype=torch.long, device=self.slot_mapping.device)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """One zeroed tensor holding every layer's cache.
+
+    Returns ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; ``[i, 0]``
+    and ``[i, 1]`` are layer ``i``'s K and V caches. One tensor lets a caller copy or ship a
+    block of every layer with a single index: ``cache[:, :, block_ids]``.
+    """
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def build_attention_mask(
+    meta: AttentionMetadata, sliding_window: int | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
+    """``[B, 1, max_query_len, max_blocks * block_size]`` additive mask: 0 = attend, -inf = not.
+
+    Query ``i`` of a sequence sits at position ``context_len - query_len + i`` and sees keys
+    at positions ``<=`` its own (and, with a sliding window, ``> position - window``). The
+    mask is additive (in the model's ``dtype``) because SDPA would otherwise convert a bool
+    mask in every layer.
+    Returns ``None`` for one sequence with nothing cached before this call (a fresh
+    prefill), where plain causal attention over the new tokens is the same thing.
+    """
+    if (
+        meta.num_seqs == 1
+        and meta.query_lens[0] == meta.context_lens[0]
+        and (sliding_window is None or sliding_window >= meta.context_lens[0])
+    ):
+        return None
+    device = meta.slot_mapping.device
+    num_keys = meta.block_tables.shape[1] * meta.block_size
+    query_lens = torch.tensor(meta.query_lens, device=device)
+    first_pos = meta.context_lens_tensor - query_lens  # [B]
+    offsets = torch.arange(meta.max_query_len, device=device)
+    # padded queries (i >= query_len) are clamped to the last real one: no all-masked rows
+    query_pos = first_pos[:, None] + torch.minimum(offsets[None, :], query_lens[:, None] - 1)  # [B, Q]
+    key_pos = torch.arange(num_keys, device=device)  # [K]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, K]
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return additive.unsqueeze(1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend each sequence's queries over its context.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` new queries (rotary already applied).
+        k, v: ``[T, num_kv_heads, head_dim]`` new keys (rotary applied) and values.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` of this layer.
+        meta: where the sequences live in the cache.
+        mask: from :func:`build_attention_mask`; ``None`` means a fresh prefill of one
+            sequence, attended causally over the new tokens without reading the cache.
+        scale: softmax scale (``head_dim ** -0.5``).
+
+    Returns:
+        ``[T, num_heads, head_dim]`` attention output.
+    """
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if mask is None:
+        # fresh prefill of one sequence: its context is exactly the new tokens.
+        # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the (5x slower) math kernel
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # [1, H, T, D]
+        return out[0].transpose(0, 1)
+    num_seqs, num_keys = meta.num_seqs, mask.shape[-1]
+    block_ids = meta.block_tables.view(-1)
+    k_ctx = k_cache.index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)  # [B, K, Hkv, D]
+    v_ctx = v_cache.index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
+    if meta.max_query_len == 1:
+        # decode: the queries sharing a KV head become that head's query rows, no KV repeat
+        group = num_heads // num_kv_heads
+        q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+        out = F.scaled_dot_product_attention(
+            q_grouped, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+            attn_mask=mask.expand(num_seqs, 1, group, num_keys), scale=scale,
+        )  # [B, Hkv, G, D]
+        return out.reshape(num_seqs, num_heads, head_dim)
+    q_pad = q.view(num_seqs, -1, num_heads, head_dim) if meta.has_uniform_queries else q[meta.query_index]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * Q, H, D]
+    return out if meta.has_uniform_queries else out[meta.output_index]
+
+
+def _validate(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> None:
+    if not (len(query_lens) == len(context_lens) == len(block_tables)) or not query_lens:
+        raise ValueError(
+            "query_lens, context_lens and block_tables must be non-empty and of equal length, got "
+            f"{len(query_lens)}, {len(context_lens)}, {len(block_tables)}"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for i, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
+        if not 1 <= q <= c:
+            raise ValueError(f"sequence {i}: need 1 <= query_len ({q}) <= context_len ({c})")
+        if len(table) * block_size < c:
+            raise ValueError(
+                f"sequence {i}: {len(table)} blocks of {block_size} cannot hold {c} tokens"
+            )

@@ -1,0 +1,45 @@
+"""Build an engine from a stack's ``[engine]`` table."""
+
+from __future__ import annotations
+
+import torch
+
+from ..stack_schema import EngineConfig
+from .kv_events import KVEventBus
+from .llm_engine import EngineOptions, LLMEngine
+from .loaders import load_model
+from .quant import quantize_model
+
+__all__ = ["build_engine", "resolve_quantization"]
+
+CPU_DEFAULT_QUANTIZATION = "int4"
+
+
+def resolve_quantization(config: EngineConfig, device: torch.device) -> str:
+    """``auto`` is weight-only int4 on CPU (decode there is bound by weight bytes) and
+    none on GPU; explicit int8/int4 on a GPU is an error (the kernels are CPU ones)."""
+    if config.quantization == "auto":
+        return CPU_DEFAULT_QUANTIZATION if device.type == "cpu" else "none"
+    if config.quantization != "none" and device.type != "cpu":
+        raise ValueError(f"engine.quantization = {config.quantization!r} uses CPU kernels; on {device} use 'none'")
+    return config.quantization
+
+
+def build_engine(config: EngineConfig, *, event_bus: KVEventBus | None = None) -> LLMEngine:
+    """Load the model and tokenizer named by ``config`` and wrap them in an LLMEngine."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model, tokenizer, _, _ = load_model(config.model, device=config.device, dtype=config.dtype)
+    quantization = resolve_quantization(config, model.device)
+    if quantization != "none":
+        quantize_model(model, quantization)  # type: ignore[arg-type]
+    options = EngineOptions(
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+    )
+    engine = LLMEngine(model, tokenizer, options, event_bus=event_bus)
+    engine.quantization = quantization
+    return engine

@@ -1,0 +1,263 @@
+"""The synchronous engine core: add requests, step, collect outputs.
+
+``LLMEngine`` is driven by one thread (see :mod:`loopstack.engine.async_engine` for the
+asyncio front). Requests are validated when added — a bad one raises there and never
+reaches the step loop — so one request's error cannot stop the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import EngineError
+from .grammar import GrammarBackend
+from .kv_events import KVEventBus
+from .model import CausalLM
+from .model_runner import ModelRunner, kv_bytes_per_token
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import FinishReason, Sequence, StopChecker
+from .tokenizer import Tokenizer
+
+__all__ = ["EngineOptions", "LLMEngine", "PromptTooLongError", "RequestOutput", "Usage"]
+
+CPU_KV_BUDGET_BYTES = 512 * 1024**2
+GPU_KV_FRACTION = 0.5
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """The prompt does not fit the context window with room for one output token."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    usage: Usage
+    error: str | None = None
+    logprobs: list[float | None] | None = None
+
+
+def _default_num_blocks(model: CausalLM, options: EngineOptions, max_model_len: int) -> int:
+    per_block = kv_bytes_per_token(model) * options.block_size
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        budget = int(free * GPU_KV_FRACTION)
+    else:
+        budget = CPU_KV_BUDGET_BYTES
+    # at least one full-length sequence must fit
+    return max(budget // per_block, -(-max_model_len // options.block_size) + 1)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model replica."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        options: EngineOptions | None = None,
+        *,
+        event_bus: KVEventBus | None = None,
+    ) -> None:
+        self.options = options = options or EngineOptions()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = min(options.max_model_len or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings)
+        num_blocks = options.num_kv_blocks or _default_num_blocks(model, options, self.max_model_len)
+        self.event_bus = event_bus
+        self.block_manager = BlockManager(
+            num_blocks, options.block_size, enable_prefix_caching=options.enable_prefix_caching, event_bus=event_bus
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.block_manager, num_blocks)
+        self._grammar: GrammarBackend | None = None
+        self._seqs: dict[str, Sequence] = {}
+        self._eos = set(tokenizer.eos_token_ids)
+        self.quantization = "none"  # set by the factory when it quantizes the model
+        self.num_steps = 0
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        if self._grammar is None:
+            self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size)
+        return self._grammar
+
+    # -- requests --------------------------------------------------------------------------
+
+    def make_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = ""
+    ) -> Sequence:
+        """Validate a request and build its sequence (safe from any thread; does not enqueue).
+
+        Raises PromptTooLongError, InvalidGrammarError, ValueError (empty prompt, bad token id).
+        """
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context window is {self.max_model_len} "
+                "(at least one token must be left for the output)"
+            )
+        seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt)
+        if params.grammar is not None:
+            seq.grammar = self.grammar_backend.new_state(params.grammar)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        decoder = self.tokenizer.incremental_decoder(prompt_token_ids)
+        seq.stop_checker = StopChecker(decoder, params.stop)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = ""
+    ) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt)
+        self.add_sequence(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. None if it is unknown or already done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish(FinishReason.ABORT)
+        return self._output(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    # -- the step loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and report what every touched request got."""
+        chunks = self.scheduler.schedule()
+        outputs = [self._finish_failed(c.seq) for c in chunks if c.seq.is_finished]
+        chunks = [c for c in chunks if not c.seq.is_finished]
+        if not chunks:
+            return outputs
+        logits = self.runner.execute(chunks)
+        self.num_steps += 1
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+            self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.token_ids[: chunk.end])
+        sampling = [c.seq for c in chunks if c.samples]
+        if sampling and logits is not None:
+            outputs.extend(self._sample(sampling, logits))
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        logits = logits.float().cpu()
+        for row, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                seq.grammar.mask_logits(logits[row])
+        result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.perf_counter()
+        outputs = []
+        for i, seq in enumerate(seqs):
+            token = result.token_ids[i]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            outputs.append(self._append_token(seq, token, result.logprobs[i], result.top_logprobs[i]))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob, top) -> RequestOutput:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            seq.finish(FinishReason.ERROR, "the grammar allowed no token (an unsatisfiable schema?)")
+            self._release(seq)
+            return self._output(seq, [], "")
+        seq.output_token_ids.append(token)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+        params = seq.params
+        is_eos = (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids
+        text, stop_hit = ("", False) if is_eos else seq.stop_checker.feed(token)
+        if is_eos or stop_hit or (seq.grammar is not None and seq.grammar.is_terminated):
+            seq.finish(FinishReason.STOP)
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish(FinishReason.LENGTH)
+        if seq.is_finished and not stop_hit:
+            text += seq.stop_checker.flush()
+        seq.output_text += text
+        if seq.is_finished:
+            self._release(seq)
+        return self._output(seq, [token], text, [logprob] if params.logprobs is not None else None)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def _finish_failed(self, seq: Sequence) -> RequestOutput:
+        self._seqs.pop(seq.request_id, None)
+        return self._output(seq, [], "")
+
+    def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
+        usage = Usage(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens, len(seq.output_token_ids), ttft)
+        return RequestOutput(
+            seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs
+        )
+
+    # -- convenience -------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | None = None, *, salt: str = ""
+    ) -> list[Sequence]:
+        """Run prompts to completion in this thread (tests, scripts). Returns finished sequences."""
+        params = params or SamplingParams()
+        seqs = [self.add_request(f"gen-{self.num_steps}-{i}", list(p), params, salt=salt) for i, p in enumerate(prompts)]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return seqs
+
+    def statistics(self) -> dict[str, object]:
+        return {
+            "blocks": self.block_manager.statistics()._asdict(),
+            "scheduler": self.scheduler.statistics().__dict__,
+            "steps": self.num_steps,
+        }

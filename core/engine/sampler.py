@@ -1,0 +1,74 @@
+"""Turn a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeds.
+
+Rows are independent: each carries its own params and (when seeded) its own
+``torch.Generator``, so a seeded request gives the same tokens whatever it is batched
+with. Grammar bitmasks are applied by the caller before sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+__all__ = ["SampleOutput", "sample"]
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # of the chosen token, when asked for
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [V], already divided by temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> SampleOutput:
+    """Pick one token per row of ``logits`` [B, V] (float32)."""
+    logits = logits.float()
+    token_ids: list[int] = []
+    chosen_logprobs: list[float | None] = []
+    tops: list[list[tuple[int, float]] | None] = []
+    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    greedy = logits[greedy_rows].argmax(dim=-1).tolist() if greedy_rows else []
+    greedy_of = dict(zip(greedy_rows, greedy))
+    for row, p in enumerate(params):
+        if row in greedy_of:
+            token = greedy_of[row]
+        else:
+            filtered = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(filtered, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+        token_ids.append(token)
+        if p.logprobs is None:
+            chosen_logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs = torch.log_softmax(logits[row], dim=-1)
+        chosen_logprobs.append(float(logprobs[token]))
+        if p.logprobs > 0:
+            values, ids = torch.topk(logprobs, p.logprobs)
+            tops.append(list(zip(ids.tolist(), values.tolist())))
+        else:
+            tops.append([])
+    return SampleOutput(token_ids, chosen_logprobs, tops)

@@ -1,0 +1,129 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step gets a token budget. Running sequences go first (decodes cost one token,
+unfinished prefills take what is left), then waiting ones are admitted while blocks,
+budget and the sequence cap allow. A long prompt is cut into chunks, so it never
+stalls the running decodes for more than one step's budget. When a decode cannot get
+a block, the most recently admitted sequence is preempted: its blocks are freed and
+it goes back to the front of the queue, to be recomputed (mostly from the prefix
+cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerStatistics"]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``[start, end)`` of ``seq`` this step; sample if ``end`` is its last."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier sequence this step
+                continue
+            end = seq.num_computed_tokens + min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, end):
+                continue  # seq itself was preempted
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
+            budget -= end - seq.num_computed_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.token_ids
+            if not self.block_manager.can_allocate(tokens, salt=seq.salt):
+                if not self.running:
+                    # nothing will ever free blocks for it: fail it instead of waiting forever
+                    self.waiting.popleft()
+                    seq.finish(FinishReason.ERROR, f"needs more KV blocks than the cache has ({len(tokens)} tokens)")
+                    chunks.append(ScheduledChunk(seq, 0, 0))
+                    continue
+                break
+            self.waiting.popleft()
+            allocation = self.block_manager.allocate(seq.request_id, tokens, salt=seq.salt)
+            seq.num_computed_tokens = allocation.num_cached_tokens
+            if not seq.admitted:
+                seq.num_cached_prompt_tokens = allocation.num_cached_tokens
+                seq.admitted = True
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            end = seq.num_computed_tokens + min(seq.num_uncomputed, budget)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
+            budget -= end - seq.num_computed_tokens
+        return chunks
+
+    def _reserve(self, seq: Sequence, end: int) -> bool:
+        """Make sure slots up to ``end`` exist, preempting others (or ``seq``) if needed."""
+        needed = end - self.block_manager.num_tokens(seq.request_id)
+        if needed <= 0:
+            return True
+        while not self.block_manager.can_append(seq.request_id, needed):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.append_slots(seq.request_id, needed)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.request_id in self.block_manager:
+            self.block_manager.free(seq.request_id)
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(len(self.waiting), len(self.running), self._num_preemptions)

@@ -1,0 +1,103 @@
+"""One request inside the engine: its tokens, progress, and how it ends."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .grammar import GrammarState
+from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDecoder
+
+__all__ = ["FinishReason", "Sequence", "SequenceStatus", "StopChecker"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or string, or the grammar completed
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller (or a guard)
+    ERROR = "error"  # the grammar rejected every token, or the step failed
+
+
+class StopChecker:
+    """Incremental text with stop strings: hold back text that may still become a stop."""
+
+    def __init__(self, decoder: IncrementalDecoder, stops: tuple[str, ...]) -> None:
+        self._decoder = decoder
+        self._stops = stops
+        self._held = ""  # text not yet released (could be the start of a stop string)
+        self._hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; return (text to release, stop string hit)."""
+        return self._scan(self._decoder.step(token_id))
+
+    def flush(self) -> str:
+        text, _ = self._scan(self._decoder.flush(), final=True)
+        return text
+
+    def _scan(self, new: str, final: bool = False) -> tuple[str, bool]:
+        buffer = self._held + new
+        cuts = [buffer.find(s) for s in self._stops if s in buffer]
+        if cuts:
+            self._held = ""
+            return buffer[: min(cuts)], True
+        keep = 0 if final else min(self._hold, len(buffer))
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable state of one request, owned by the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    salt: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    grammar: GrammarState | None = None
+    generator: torch.Generator | None = None
+    stop_checker: StopChecker | None = None
+    output_text: str = ""
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    admitted: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
