@@ -136,6 +136,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .api.auth import UnsafeBindError
+    from .api.server import serve
+
+    try:
+        return serve(args.stack, host=args.host, port=args.port)
+    except (StackError, UnsafeBindError) as exc:
+        sys.exit(f"loopstack: {exc}")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -195,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--list", action="store_true", help="list workloads and exit")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="serve a stack over the Responses API (HTTP/SSE and WebSocket)",
+                       description="Start the API server on the stack's engine. --host/--port override the stack's "
+                       "[api] table. Without API keys the server only binds loopback addresses. SIGHUP (or POST "
+                       "/admin/reload) reloads the stack; an invalid stack is rejected and the old one keeps serving.")
+    p.add_argument("--stack", "-s", default="baseline", help="stack name or file (default: baseline)")
+    p.add_argument("--host", help="bind address (default: the stack's api.host)")
+    p.add_argument("--port", type=int, help="port (default: the stack's api.port; 0 picks a free one)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job: run what exists end to end on the embedded model")
     p.set_defaults(func=cmd_demo)

@@ -1,13 +1,16 @@
-"""``loopstack demo`` / ``make demo``: run the most complete thing that exists.
+"""``loopstack demo`` / ``make demo``: run the most complete thing that exists, end to end.
 
-The API server, harness and techniques are later work; until they land the demo runs
-the kernel end to end (stacks, plugins, a side-by-side benchmark) and says plainly
-what is still missing.
+Today that is the plugin kernel (stacks, plugins, a side-by-side benchmark) and the
+embedded engine on the real SmolLM2 model (streaming, prefix caching, constrained
+decoding). The API server, harness and techniques are later work; the demo says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+import time
 
 from .bench.registry import workloads
 from .bench.report import format_table
@@ -15,29 +18,88 @@ from .bench.runner import run_bench
 from .bench.workload import BenchOptions
 from .plugin_manager import PluginCatalog
 from .stack import StackLoader
+from .stack_schema import EngineConfig
 
 MISSING = (
-    "API server (Responses API over HTTP/SSE and WebSocket)",
     "harness (agent loop, tools, MCP, sandboxed shell)",
     "the eight techniques (declared and configurable; skipped at run time)",
 )
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _kernel(catalog: PluginCatalog) -> list:
+    loader = StackLoader(catalog)
+    _say("== plugins ==")
+    for spec in sorted(catalog, key=lambda s: s.name):
+        status = "ready" if spec.implemented else "not implemented yet"
+        layers = ",".join(layer.value for layer in spec.layers)
+        _say(f"  {spec.name:<16} {layers:<12} {spec.source:<16} {status}")
+    _say("\n== stacks ==")
+    stacks = [loader.load("baseline"), loader.load("full")]
+    for stack in stacks:
+        enabled = ", ".join(stack.enabled_plugins()) or "(none)"
+        _say(f"  {stack.name}: enabled {enabled}; {len(stack.warnings)} warning(s)")
+    _say("\n== kernel overhead per request, side by side ==")
+    result = asyncio.run(run_bench(workloads(catalog)["kernel"], stacks, BenchOptions(steps=4), progress=False))
+    _say(format_table(result))
+    return stacks
+
+
+async def _engine(config: EngineConfig) -> None:
+    from .engine import AsyncEngine, SamplingParams, build_engine
+
+    started = time.perf_counter()
+    core = build_engine(config)
+    _say(f"  loaded {config.model} ({core.quantization} weights, {core.model.device}) in "
+         f"{time.perf_counter() - started:.1f} s")
+    engine = AsyncEngine(core)
+    tokenizer = core.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+    try:
+        for attempt in ("cold", "cached"):
+            prompt = chat("What is the capital of France?")
+            print(f"  [{attempt}] ", end="", flush=True)
+            started, tokens, usage = time.perf_counter(), 0, None
+            async for output in engine.stream(prompt, SamplingParams(temperature=0, max_tokens=48)):
+                print(output.new_text, end="", flush=True)
+                tokens += len(output.new_token_ids)
+                usage = output.usage
+            elapsed = time.perf_counter() - started
+            _say(f"\n      {usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} from the prefix cache), "
+                 f"{tokens} generated, first token after {usage.time_to_first_token_s * 1000:.0f} ms, "
+                 f"{tokens / elapsed:.1f} tokens/s overall")
+        constrained = await engine.generate(
+            chat("What's the weather in Paris right now?"),
+            SamplingParams(temperature=0, max_tokens=40, grammar={"type": "json_schema", "schema": WEATHER}),
+        )
+        _say(f"  [JSON Schema {json.dumps(WEATHER)}]\n      {constrained.text}")
+        blocks = core.block_manager.statistics()
+        _say(f"  KV blocks: {blocks.num_used_blocks} used, {blocks.num_cached_blocks} cached, "
+             f"prefix hit rate {blocks.hit_rate:.0%}")
+    finally:
+        engine.shutdown()
 
 
 def run_demo() -> int:
     catalog = PluginCatalog.discover()
-    loader = StackLoader(catalog)
-    print("== plugins ==")
-    for spec in sorted(catalog, key=lambda s: s.name):
-        status = "ready" if spec.implemented else "not implemented yet"
-        print(f"  {spec.name:<16} {','.join(l.value for l in spec.layers):<12} {spec.source:<16} {status}")
-    print("\n== stacks ==")
-    stacks = [loader.load("baseline"), loader.load("full")]
-    for stack in stacks:
-        print(f"  {stack.name}: enabled {', '.join(stack.enabled_plugins()) or '(none)'}; {len(stack.warnings)} warning(s)")
-    print("\n== kernel overhead, side by side ==")
-    result = asyncio.run(run_bench(workloads(catalog)["kernel"], stacks, BenchOptions(steps=4), progress=False))
-    print(format_table(result))
-    print("\n== not built yet ==")
+    stacks = _kernel(catalog)
+    _say("\n== embedded engine (inference layer) on the default model ==")
+    try:
+        asyncio.run(_engine(stacks[0].engine))
+    except Exception as exc:  # say what broke, then still list what is missing
+        _say(f"  engine demo failed: {type(exc).__name__}: {exc}")
+        return_code = 1
+    else:
+        return_code = 0
+    _say("\n== not built yet ==")
     for item in MISSING:
-        print(f"  - {item}")
-    return 0
+        _say(f"  - {item}")
+    sys.stdout.flush()
+    return return_code

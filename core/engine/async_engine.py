@@ -56,6 +56,14 @@ class AsyncEngine:
         self._thread.start()
         self.num_step_errors = 0
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     # -- caller side ---------------------------------------------------------------------------
 
     async def stream(

@@ -37,6 +37,9 @@ class AttentionMetadata:
             i-th query; padding repeats the sequence's last token.
         output_index: ``[T]`` row of each token in the padded ``[B * max_query_len]`` output.
         context_lens_tensor: ``[B]`` the context lengths on the device.
+        contiguous_first_block: with one sequence whose block ids are consecutive, its
+            first block id (its context is then a slice of the cache, nothing to gather);
+            else ``None``.
     """
 
     query_lens: tuple[int, ...]
@@ -47,6 +50,7 @@ class AttentionMetadata:
     query_index: torch.Tensor
     output_index: torch.Tensor
     context_lens_tensor: torch.Tensor
+    contiguous_first_block: int | None = None
 
     @classmethod
     def build(
@@ -92,6 +96,8 @@ class AttentionMetadata:
             output_index.extend(i * max_query_len + j for j in range(q))
             start += q
         long = torch.long
+        first = tables[0][0]
+        is_contiguous = num_seqs == 1 and tables[0] == list(range(first, first + max_blocks))
         return cls(
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
@@ -101,6 +107,7 @@ class AttentionMetadata:
             query_index=torch.tensor(query_index, dtype=long, device=device).view(num_seqs, max_query_len),
             output_index=torch.tensor(output_index, dtype=long, device=device),  # [T]
             context_lens_tensor=torch.tensor(context_lens, dtype=long, device=device),  # [B]
+            contiguous_first_block=first if is_contiguous else None,
         )
 
     @property
@@ -172,12 +179,13 @@ def build_attention_mask(
     at positions ``<=`` its own (and, with a sliding window, ``> position - window``). The
     mask is additive (in the model's ``dtype``) because SDPA would otherwise convert a bool
     mask in every layer.
-    Returns ``None`` for one sequence with nothing cached before this call (a fresh
-    prefill), where plain causal attention over the new tokens is the same thing.
+    Returns ``None`` for one sequence that needs no mask (the window, if any, covers its
+    whole context): a fresh prefill (plain causal attention over the new tokens) or a
+    single query (it sees every cached key).
     """
     if (
         meta.num_seqs == 1
-        and meta.query_lens[0] == meta.context_lens[0]
+        and (meta.query_lens[0] == meta.context_lens[0] or meta.query_lens[0] == 1)
         and (sliding_window is None or sliding_window >= meta.context_lens[0])
     ):
         return None
@@ -200,8 +208,7 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     mask: torch.Tensor | None,
     scale: float,
@@ -211,19 +218,20 @@ def paged_attention(
     Args:
         q: ``[T, num_heads, head_dim]`` new queries (rotary already applied).
         k, v: ``[T, num_kv_heads, head_dim]`` new keys (rotary applied) and values.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` of this layer.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, this layer's K and V.
         meta: where the sequences live in the cache.
-        mask: from :func:`build_attention_mask`; ``None`` means a fresh prefill of one
-            sequence, attended causally over the new tokens without reading the cache.
+        mask: from :func:`build_attention_mask`; ``None`` means one sequence attending
+            causally over its whole context.
         scale: softmax scale (``head_dim ** -0.5``).
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output.
     """
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    if mask is None:
+    k_slots, v_slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [slots, Hkv, D] each
+    k_slots.index_copy_(0, meta.slot_mapping, k)
+    v_slots.index_copy_(0, meta.slot_mapping, v)
+    if mask is None and meta.num_tokens > 1:
         # fresh prefill of one sequence: its context is exactly the new tokens.
         # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the (5x slower) math kernel
         out = F.scaled_dot_product_attention(
@@ -231,13 +239,22 @@ def paged_attention(
             is_causal=True, scale=scale, enable_gqa=True,
         )  # [1, H, T, D]
         return out[0].transpose(0, 1)
+    group = num_heads // num_kv_heads
+    if mask is None:
+        # decode of one sequence: its first context_len slots, no mask; the queries sharing
+        # a KV head become that head's query rows, no KV repeat
+        k_ctx, v_ctx = _single_sequence_context(k_slots, v_slots, meta)  # [C, Hkv, D]
+        out = F.scaled_dot_product_attention(
+            q.view(1, num_kv_heads, group, head_dim), k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],
+            scale=scale,
+        )  # [1, Hkv, G, D]
+        return out.view(1, num_heads, head_dim)
     num_seqs, num_keys = meta.num_seqs, mask.shape[-1]
     block_ids = meta.block_tables.view(-1)
-    k_ctx = k_cache.index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)  # [B, K, Hkv, D]
-    v_ctx = v_cache.index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
+    k_ctx = kv_cache[0].index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)  # [B, K, Hkv, D]
+    v_ctx = kv_cache[1].index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
     if meta.max_query_len == 1:
-        # decode: the queries sharing a KV head become that head's query rows, no KV repeat
-        group = num_heads // num_kv_heads
+        # decode: as above, grouped queries with no KV repeat
         q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(
             q_grouped, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
@@ -251,6 +268,20 @@ def paged_attention(
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * Q, H, D]
     return out if meta.has_uniform_queries else out[meta.output_index]
+
+
+def _single_sequence_context(
+    k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[context_len, Hkv, D]`` keys and values of the one sequence of ``meta``."""
+    context_len = meta.context_lens[0]
+    if meta.contiguous_first_block is not None:
+        start = meta.contiguous_first_block * meta.block_size
+        return k_slots[start : start + context_len], v_slots[start : start + context_len]
+    block_ids, shape = meta.block_tables.view(-1), (-1, meta.block_size, *k_slots.shape[1:])
+    k_ctx = k_slots.view(shape).index_select(0, block_ids).flatten(0, 1)[:context_len]
+    v_ctx = v_slots.view(shape).index_select(0, block_ids).flatten(0, 1)[:context_len]
+    return k_ctx, v_ctx
 
 
 def _validate(

@@ -54,15 +54,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in float32, scale in the model dtype (as HF does)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        # one call (normalizes in float32 for low-precision inputs); HF's separate ops cost
+        # ~8 dispatches per norm, 60 norms per decode step
+        return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,17 +75,17 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens, half = x.shape[0], self.head_dim // 2
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k at once
+        # rotary on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
+        qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, mask, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_cache, meta, mask, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -123,7 +117,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache[0], kv_cache[1], meta, mask)
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, mask)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -195,7 +189,7 @@ class CausalLM(nn.Module):
             ``[N, vocab_size]`` float32 logits.
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self._rotary(positions, hidden.dtype)  # [T, 1, D]
+        cos, sin = self._rotary(positions, hidden.dtype)  # [T, 1, D], sin sign-folded
         mask = build_attention_mask(meta, self.config.sliding_window, hidden.dtype)
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             hidden = layer(hidden, cos, sin, layer_cache, meta, mask)
@@ -211,7 +205,9 @@ class CausalLM(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        sin[..., : sin.shape[-1] // 2].neg_()  # [-sin, sin]: pairs with roll(x, D/2) in Attention
+        return angles.cos().to(dtype), sin.to(dtype)
 
     # -- weights in Hugging Face names ------------------------------------------------------
 

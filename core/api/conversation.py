@@ -1,0 +1,309 @@
+"""Responses API input -> chat-template messages -> prompt text.
+
+Two steps, both deterministic and append-only (prefix caching depends on it):
+
+1. :func:`items_to_messages` turns ``instructions`` and the input items (``message``,
+   ``function_call``, ``function_call_output``) into Hugging Face style chat messages.
+2. :func:`render_prompt` renders them with the model's chat template. A template that reads
+   ``tools`` gets the tools natively; any other one gets a Hermes-style block in the system
+   turn, tool calls written as ``<tool_call>`` JSON blocks and tool results as
+   ``<tool_response>`` user turns (one per result, so appending a result never rewrites one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.meta
+
+if TYPE_CHECKING:
+    from ..engine.tokenizer import Tokenizer
+
+__all__ = [
+    "ConversationError",
+    "FunctionTool",
+    "InvalidToolError",
+    "chat_messages",
+    "format_tool_call",
+    "hermes_tools_block",
+    "items_to_messages",
+    "normalize_tools",
+    "render_prompt",
+    "template_supports_tools",
+]
+
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+_HERMES_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+_HERMES_INSTRUCTION = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+class ConversationError(ValueError):
+    """The input cannot become a conversation; the message names the item and what is allowed."""
+
+
+class InvalidToolError(ValueError):
+    """A tool definition is not a usable function tool; the message names ``tools[i]``."""
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """One function tool, whatever API shape it came in."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat_dict(self) -> dict[str, Any]:
+        """The chat-completions shape chat templates expect: ``{"type": "function", "function": {...}}``."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any] | FunctionTool] | None) -> list[FunctionTool]:
+    """Normalize Responses (flat) and chat-completions (nested ``function``) tool definitions.
+
+    Raises:
+        InvalidToolError: a tool is not ``type: function``, lacks a name, or repeats a name.
+    """
+    result: list[FunctionTool] = []
+    for index, tool in enumerate(tools or ()):
+        if isinstance(tool, FunctionTool):
+            result.append(tool)
+            continue
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, Mapping) else type(tool).__name__
+            raise InvalidToolError(f"tools[{index}]: type {kind!r} is not supported; allowed: 'function'")
+        spec = tool["function"] if isinstance(tool.get("function"), Mapping) else tool
+        name, parameters = spec.get("name"), spec.get("parameters")
+        if not isinstance(name, str) or not name:
+            raise InvalidToolError(f"tools[{index}]: a function tool needs a non-empty string 'name'")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise InvalidToolError(f"tools[{index}] ({name}): 'parameters' must be a JSON Schema object")
+        strict = spec.get("strict")
+        result.append(FunctionTool(
+            name=name,
+            description=spec.get("description"),
+            parameters=None if parameters is None else dict(parameters),
+            strict=strict if isinstance(strict, bool) else None,
+        ))
+    duplicates = sorted(name for name, count in Counter(t.name for t in result).items() if count > 1)
+    if duplicates:
+        raise InvalidToolError(f"tools: duplicate function names {duplicates}")
+    return result
+
+
+# -- items -> messages -------------------------------------------------------------------
+
+def items_to_messages(instructions: str | None, items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Turn Responses API ``instructions`` + ``input`` into chat-template messages.
+
+    ``instructions`` becomes the first system message; ``developer`` maps to ``system``. A
+    ``function_call`` joins the assistant turn right before it (consecutive calls make one
+    turn, as the model produced them); ``function_call_output`` becomes a ``tool`` message.
+    A plain string input is one user message.
+
+    Raises:
+        ConversationError: an unknown item type, role or content part, or a missing field;
+            the message names ``input[i]`` and what is allowed.
+
+    Example:
+        >>> items_to_messages("Be brief.", [{"role": "user", "content": "hi"}])
+        [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'hi'}]
+    """
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, Mapping):
+            raise ConversationError(f"{where}: expected an object, got {type(item).__name__}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise ConversationError(f"{where}: unknown role {role!r}; allowed: {', '.join(MESSAGE_ROLES)}")
+            messages.append({"role": MESSAGE_ROLES[role], "content": _content_text(where, item.get("content"))})
+        elif kind == "function_call":
+            call = _tool_call(where, item.get("call_id"), item.get("name"), item.get("arguments", "{}"))
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if output is not None and not isinstance(output, (str, list)):
+                output = json.dumps(output, ensure_ascii=False)
+            messages.append(_tool_message(where, messages, item.get("call_id"), output))
+        else:
+            raise ConversationError(f"{where}: unknown item type {kind!r}; allowed: {', '.join(ITEM_TYPES)}")
+    return messages
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Turn Chat Completions ``messages`` into the chat-template messages :func:`render_prompt` takes.
+
+    Raises:
+        ConversationError: an unknown role or content part, or a malformed tool call; the
+            message names ``messages[i]``.
+    """
+    result: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role == "tool":
+            result.append(_tool_message(where, result, message.get("tool_call_id"), message.get("content")))
+            continue
+        if role not in MESSAGE_ROLES:
+            raise ConversationError(f"{where}: unknown role {role!r}; allowed: {', '.join(MESSAGE_ROLES)}, tool")
+        converted: dict[str, Any] = {"role": MESSAGE_ROLES[role], "content": _content_text(where, message.get("content") or "")}
+        calls = message.get("tool_calls") if role == "assistant" else None
+        for call in calls or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping):
+                raise ConversationError(f"{where}: each tool call needs a 'function' object")
+            converted.setdefault("tool_calls", []).append(
+                _tool_call(where, call.get("id"), function.get("name"), function.get("arguments", "{}"))
+            )
+        result.append(converted)
+    return result
+
+
+def _content_text(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ConversationError(f"{where}: content must be a string or a list of text parts")
+    texts: list[str] = []
+    for part_index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise ConversationError(
+                f"{where}.content[{part_index}]: part type {kind!r} is not supported "
+                f"(this model reads text only); allowed: {', '.join(TEXT_PART_TYPES)} with a string 'text'"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call(where: str, call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+        raise ConversationError(f"{where}: a function call needs non-empty string 'call_id' (or 'id') and 'name'")
+    if not isinstance(arguments, str):
+        raise ConversationError(f"{where}: function call 'arguments' must be a JSON string")
+    try:
+        parsed: Any = json.loads(arguments)
+    except ValueError:
+        parsed = arguments  # kept verbatim: the model sees what it wrote
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def _tool_message(where: str, earlier: Sequence[Mapping[str, Any]], call_id: Any, output: Any) -> dict[str, Any]:
+    if not isinstance(call_id, str) or not call_id:
+        raise ConversationError(f"{where}: a tool result needs a non-empty string 'call_id' (or 'tool_call_id')")
+    if output is None:
+        raise ConversationError(f"{where}: a tool result needs 'output' (or 'content')")
+    message = {"role": "tool", "tool_call_id": call_id, "content": _content_text(where, output)}
+    names = [c["function"]["name"] for m in earlier for c in m.get("tool_calls", ()) if c["id"] == call_id]
+    if names:
+        message["name"] = names[-1]
+    return message
+
+
+# -- messages -> prompt ------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+def template_supports_tools(chat_template: str | None) -> bool:
+    """True if the jinja template reads a ``tools`` variable (so it renders tools natively).
+
+    The template is parsed, not searched as text: ``tool_calls`` or a comment mentioning
+    tools does not count. An unparsable template counts as not supporting tools.
+    """
+    if not chat_template:
+        return False
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(chat_template))
+    except jinja2.TemplateSyntaxError:
+        return False
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One Hermes block, exactly as the tool-call grammar makes the model write it::
+
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+    """
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+
+
+def hermes_tools_block(tools: Sequence[FunctionTool]) -> str:
+    """The system-prompt section listing ``tools`` (one JSON line each) and the call format."""
+    lines = "\n".join(json.dumps(t.to_chat_dict(), ensure_ascii=False) for t in tools)
+    return _HERMES_PREAMBLE + lines + _HERMES_INSTRUCTION
+
+
+def render_prompt(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any] | FunctionTool] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render ``messages`` (from :func:`items_to_messages`) and ``tools`` into prompt text.
+
+    Native when the template reads ``tools``; otherwise Hermes-style (see the module doc).
+    Append-only: without the generation prompt, the rendering of ``messages[:n]`` is a prefix
+    of the rendering of ``messages[:n + 1]``.
+
+    Raises:
+        InvalidToolError: a bad tool definition.
+        ChatTemplateError: the model has no template, or it rejected the messages.
+    """
+    function_tools = normalize_tools(tools)
+    if template_supports_tools(tokenizer.chat_template):
+        chat_tools = [t.to_chat_dict() for t in function_tools] or None
+        return tokenizer.apply_chat_template(messages, tools=chat_tools, add_generation_prompt=add_generation_prompt)
+    hermes = [_hermes_message(m) for m in messages]
+    if function_tools:
+        block = hermes_tools_block(function_tools)
+        if hermes and hermes[0]["role"] == "system":
+            hermes[0] = {"role": "system", "content": f"{hermes[0]['content']}\n\n{block}"}
+        else:
+            hermes.insert(0, {"role": "system", "content": block})
+    return tokenizer.apply_chat_template(hermes, add_generation_prompt=add_generation_prompt)
+
+
+def _hermes_message(message: Mapping[str, Any]) -> dict[str, str]:
+    content = message.get("content") or ""
+    if message.get("role") == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    calls = message.get("tool_calls") or ()
+    if calls:
+        # no separator between blocks: the grammar writes them back to back (see tool_calls.py)
+        blocks = "".join(format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in calls)
+        content = f"{content}\n{blocks}" if content else blocks
+    return {"role": str(message.get("role")), "content": content}

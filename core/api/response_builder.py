@@ -1,0 +1,134 @@
+"""Turn an engine token stream into Responses API events and the final response object.
+
+The builder is fed text deltas (already split into plain text and tool calls by the
+tool-call stream parser) and emits the event sequence the OpenAI SDK expects::
+
+    response.created, response.in_progress,
+    response.output_item.added (message), response.content_part.added,
+    response.output_text.delta ..., response.output_text.done, response.content_part.done,
+    response.output_item.done,
+    response.output_item.added (function_call), response.function_call_arguments.delta,
+    response.function_call_arguments.done, response.output_item.done, ...
+    response.completed | response.incomplete | response.failed
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .ids import new_id
+
+
+class ResponseBuilder:
+    """Accumulates one response; every method returns the events to send, in order."""
+
+    def __init__(self, response_id: str, request_echo: dict[str, Any]) -> None:
+        self.response_id = response_id
+        self.created_at = int(time.time())
+        self.echo = request_echo
+        self.output: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._message: dict[str, Any] | None = None
+        self._text: list[str] = []
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def snapshot(self, status: str, *, usage: dict | None = None, error: dict | None = None,
+                 incomplete: dict | None = None) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "output": list(self.output),
+            "usage": usage,
+            **self.echo,
+        }
+
+    def start(self) -> list[dict[str, Any]]:
+        return [
+            self._event("response.created", response=self.snapshot("in_progress")),
+            self._event("response.in_progress", response=self.snapshot("in_progress")),
+        ]
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        if not delta:
+            return []
+        events = []
+        if self._message is None:
+            self._message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                             "content": []}
+            self._text = []
+            index = len(self.output)
+            self.output.append(self._message)
+            events.append(self._event("response.output_item.added", output_index=index, item=dict(self._message)))
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events.append(self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
+                                      content_index=0, part=part))
+        self._text.append(delta)
+        events.append(self._event("response.output_text.delta", item_id=self._message["id"],
+                                  output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=[]))
+        return events
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if self._message is None:
+            return []
+        message, self._message = self._message, None
+        index = self.output.index(message)
+        text = "".join(self._text).strip()
+        part = {"type": "output_text", "text": text, "annotations": []}
+        message.update(status="completed", content=[part])
+        return [
+            self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                        text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
+                        part=part),
+            self._event("response.output_item.done", output_index=index, item=dict(message)),
+        ]
+
+    def function_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
+        events = self._close_message()
+        item = {"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"), "name": name,
+                "arguments": "", "status": "in_progress"}
+        index = len(self.output)
+        self.output.append(item)
+        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                  delta=arguments))
+        item.update(arguments=arguments, status="completed")
+        events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=name, arguments=arguments))
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
+    def finish(self, usage: dict[str, Any], *, truncated: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        events = self._close_message()
+        # a message whose text was only whitespace is dropped rather than sent empty
+        self.output = [i for i in self.output if not (i["type"] == "message" and not i["content"][0]["text"])]
+        if truncated:
+            response = self.snapshot("incomplete", usage=usage, incomplete={"reason": "max_output_tokens"})
+            events.append(self._event("response.incomplete", response=response))
+        else:
+            response = self.snapshot("completed", usage=usage)
+            events.append(self._event("response.completed", response=response))
+        return events, response
+
+    def fail(self, message: str, code: str = "server_error") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        response = self.snapshot("failed", error={"code": code, "message": message})
+        return [self._event("response.failed", response=response)], response
+
+
+def usage_of(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,108 @@
+"""Run the API server: ``loopstack serve --stack FILE [--host H] [--port P]``.
+
+``build_state`` wires a stack to its engine, store and keys; ``ServerThread`` runs
+uvicorn on a background thread (tests, the demo, embedding); ``serve`` runs it in the
+foreground until Ctrl-C, reloading the stack on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from ..live import LiveStack
+from ..plugin_manager import PluginCatalog
+from .app import create_app
+from .auth import KeyRing, check_bind
+from .state import ServerState
+from .store import ResponseStore
+
+
+def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, engine: Any = None,
+                store_path: str | Path | None = None) -> ServerState:
+    """Load the stack, start its engine (unless one is given), open the store."""
+    live = LiveStack(catalog or PluginCatalog.discover(), stack_ref)
+    stack = live.current.stack
+    if engine is None:
+        from ..engine import AsyncEngine, build_engine
+
+        engine = AsyncEngine(build_engine(stack.engine))
+    keyring = KeyRing.from_config(stack.api, environ=os.environ)
+    store = ResponseStore(store_path or stack.api.store_path, ttl_s=stack.api.response_ttl_s)
+    return ServerState(live=live, engine=engine, store=store, keyring=keyring, model_name=stack.engine.model,
+                       max_body_bytes=stack.api.max_body_bytes)
+
+
+def close_state(state: ServerState) -> None:
+    shutdown = getattr(state.engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    state.store.close()
+    state.live.close()
+
+
+class ServerThread:
+    """uvicorn on a daemon thread; ``url`` is known once ``start`` returns."""
+
+    def __init__(self, state: ServerState, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        check_bind(host, state.keyring, allow_public_bind=state.live.current.stack.api.allow_public_bind)
+        self.state = state
+        config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", ws="websockets-sansio",
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="loopstack-api", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        for _ in range(int(timeout * 100)):
+            if self.server.started:
+                return self
+            if not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        raise RuntimeError("the API server did not start")
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15)
+
+
+def serve(stack_ref: str | Path, *, host: str | None = None, port: int | None = None) -> int:
+    state = build_state(stack_ref)
+    api = state.live.current.stack.api
+    host, port = host or api.host, api.port if port is None else port
+    check_bind(host, state.keyring, allow_public_bind=api.allow_public_bind)
+    config = uvicorn.Config(create_app(state), host=host, port=port, ws="websockets-sansio", lifespan="off")
+    server = uvicorn.Server(config)
+
+    def reload_on_hup() -> None:
+        result = state.live.reload()
+        print(f"loopstack: reload {'ok' if result.ok else 'rejected'}: {result.error or result.stack_name}", flush=True)
+
+    async def main() -> None:
+        if hasattr(signal, "SIGHUP"):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_hup)
+        auth = "on" if state.keyring.enabled else "off (loopback only)"
+        print(f"loopstack: serving stack {state.live.current.stack.name!r} with {state.model_name} on "
+              f"http://{host}:{port} (auth {auth})", flush=True)
+        await server.serve()
+
+    try:
+        asyncio.run(main())
+    finally:
+        close_state(state)
+    return 0

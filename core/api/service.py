@@ -1,0 +1,208 @@
+"""The Responses API logic shared by HTTP, SSE and WebSocket: history, prompt, engine, store.
+
+``prepare`` turns a request into a prompt and sampling settings (every client error is
+raised here, before the engine sees anything); ``run`` streams the engine's output as
+Responses events and stores the result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from ..engine import InvalidGrammarError, PromptTooLongError, SamplingParams
+from ..engine.sequence import FinishReason
+from .auth import Principal, tenant_salt
+from .conversation import ConversationError, items_to_messages, normalize_tools, render_prompt
+from .errors import APIError
+from .ids import new_id
+from .response_builder import ResponseBuilder, usage_of
+from .schemas import ResponsesRequest
+from .store import ResponseStore, StoredResponse, StoreError
+from .tool_calls import TextFormatError, ToolCallStreamParser, ToolChoiceError, response_grammar
+
+DEFAULT_MAX_OUTPUT_TOKENS = 1024
+
+
+class EngineClient(Protocol):
+    """What the API needs from inference: the embedded AsyncEngine, or later the router."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+               salt: str = "") -> AsyncIterator[Any]: ...
+
+
+@dataclass
+class Prepared:
+    request: ResponsesRequest
+    principal: Principal
+    response_id: str
+    new_items: list[dict[str, Any]]
+    prompt_ids: list[int]
+    params: SamplingParams
+    tool_names: set[str]
+
+
+class ResponsesService:
+    def __init__(self, engine: EngineClient, store: ResponseStore, *, model_name: str) -> None:
+        self.engine = engine
+        self.store = store
+        self.model_name = model_name
+
+    # -- prepare: everything that can be the client's fault -----------------------------------
+
+    def history(self, request: ResponsesRequest, principal: Principal,
+                local: MutableMapping[str, StoredResponse] | None = None) -> list[dict[str, Any]]:
+        """Input and output items of the chain ending at ``previous_response_id``."""
+        if not request.previous_response_id:
+            return []
+        chain: list[StoredResponse] = []
+        current: str | None = request.previous_response_id
+        while current is not None and local is not None and current in local:
+            chain.append(local[current])
+            current = local[current].previous_response_id
+        try:
+            if current is not None:
+                chain.extend(reversed(self.store.chain(current, tenant=principal.tenant)))
+        except StoreError:  # missing, expired, another tenant's, or a broken chain
+            raise APIError(
+                f"Previous response with id '{request.previous_response_id}' not found.",
+                param="previous_response_id", code="previous_response_not_found",
+            ) from None
+        items: list[dict[str, Any]] = []
+        for record in reversed(chain):
+            items.extend(record.input_items)
+            items.extend(record.output_items)
+        return items
+
+    def prepare(self, request: ResponsesRequest, principal: Principal,
+                local: MutableMapping[str, StoredResponse] | None = None) -> Prepared:
+        new_items = request.input_items()
+        items = self.history(request, principal, local) + new_items
+        try:
+            tools = normalize_tools(request.tools)
+            messages = items_to_messages(request.instructions, items)
+            prompt = render_prompt(self.engine.tokenizer, messages, tools)
+        except ConversationError as exc:
+            raise APIError(str(exc), param="input", code="invalid_input") from None
+        except (ValueError, TypeError) as exc:
+            raise APIError(f"invalid tools: {exc}", param="tools", code="invalid_value") from None
+        text_format = request.text.format if request.text else None
+        try:
+            grammar = response_grammar(tools, request.tool_choice, request.parallel_tool_calls, text_format)
+        except ToolChoiceError as exc:
+            raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
+        except TextFormatError as exc:
+            raise APIError(str(exc), param="text.format", code="invalid_value") from None
+        prompt_ids = self.engine.tokenizer.encode(prompt)
+        room = self.engine.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(
+                f"The input is {len(prompt_ids)} tokens; this model's context window is "
+                f"{self.engine.max_model_len} tokens.", param="input", code="context_length_exceeded")
+        params = SamplingParams(
+            max_tokens=min(request.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            grammar=grammar,
+        )
+        return Prepared(request, principal, new_id("resp"), new_items, prompt_ids, params,
+                        {t.name for t in tools})
+
+    def echo(self, request: ResponsesRequest) -> dict[str, Any]:
+        text = request.text.model_dump(exclude_none=True) if request.text else {"format": {"type": "text"}}
+        return {
+            "model": request.model or self.model_name,
+            "instructions": request.instructions,
+            "tools": request.tools,
+            "tool_choice": request.tool_choice,
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "max_output_tokens": request.max_output_tokens,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store,
+            "metadata": request.metadata or {},
+            "text": text,
+            "prompt_cache_key": request.prompt_cache_key,
+        }
+
+    # -- run: stream the engine, emit events, store -------------------------------------------
+
+    async def run(self, prepared: Prepared,
+                  local: MutableMapping[str, StoredResponse] | None = None) -> AsyncIterator[dict[str, Any]]:
+        builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
+        for event in builder.start():
+            yield event
+        parser = ToolCallStreamParser(prepared.tool_names)
+        last = None
+        try:
+            async for output in self.engine.stream(prepared.prompt_ids, prepared.params,
+                                                   request_id=prepared.response_id,
+                                                   salt=tenant_salt(prepared.principal)):
+                last = output
+                for kind, value in parser.feed(output.new_text):
+                    for event in self._apply(builder, kind, value):
+                        yield event
+        except (PromptTooLongError, InvalidGrammarError, ValueError) as exc:
+            events, _ = builder.fail(str(exc), code="invalid_request")
+            for event in events:
+                yield event
+            return
+        for kind, value in parser.close():
+            for event in self._apply(builder, kind, value):
+                yield event
+        if last is None or last.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            message = (last.error if last is not None else None) or "generation failed"
+            events, _ = builder.fail(message)
+            for event in events:
+                yield event
+            return
+        usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens)
+        events, response = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
+        await self._remember(prepared, response, local)
+        for event in events:
+            yield event
+
+    @staticmethod
+    def _apply(builder: ResponseBuilder, kind: str, value: Any) -> list[dict[str, Any]]:
+        if kind == "text":
+            return builder.text(value)
+        return builder.function_call(value.name, value.arguments)
+
+    async def _remember(self, prepared: Prepared, response: dict[str, Any],
+                  local: MutableMapping[str, StoredResponse] | None) -> None:
+        record = StoredResponse(
+            id=prepared.response_id,
+            tenant=prepared.principal.tenant,
+            created_at=time.time(),
+            model=response["model"],
+            previous_response_id=prepared.request.previous_response_id,
+            input_items=prepared.new_items,
+            output_items=response["output"],
+            request=prepared.request.non_input_fields(),
+            response=response,
+            prompt_token_ids=None,
+        )
+        if prepared.request.store:
+            await anyio.to_thread.run_sync(self.store.put, record)  # a durable write: off the loop
+        elif local is not None:
+            local[record.id] = record
+
+    async def create(self, request: ResponsesRequest, principal: Principal,
+                     local: MutableMapping[str, StoredResponse] | None = None) -> dict[str, Any]:
+        """Non-streaming: run to the end and return the response object."""
+        prepared = self.prepare(request, principal, local)
+        final: dict[str, Any] | None = None
+        async for event in self.run(prepared, local):
+            if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                final = event["response"]
+        assert final is not None
+        return final

@@ -1,0 +1,26 @@
+"""What a running server holds: the live stack, the engine, the store, the keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..live import LiveStack
+from .auth import KeyRing
+from .service import EngineClient, ResponsesService
+from .store import ResponseStore
+
+
+@dataclass
+class ServerState:
+    live: LiveStack
+    engine: EngineClient
+    store: ResponseStore
+    keyring: KeyRing
+    model_name: str
+    max_body_bytes: int
+    service: ResponsesService = field(init=False)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.service = ResponsesService(self.engine, self.store, model_name=self.model_name)

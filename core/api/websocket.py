@@ -1,0 +1,88 @@
+"""WebSocket mode at ``/v1/responses``: many responses, one connection.
+
+The client sends ``{"type": "response.create", ...request fields...}`` (the fields may
+also sit under ``"response"``) and receives the same events as over SSE, as JSON text
+messages. Responses run one after another; ``previous_response_id`` chains them, and
+with ``store: false`` a chain lives on this connection only. A malformed message gets an
+``error`` event and the connection stays usable; binary frames close it with 1003.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..context import Session
+from .auth import AuthError
+from .errors import APIError, from_validation_error
+from .http_responses import TERMINAL, observe
+from .schemas import ResponsesRequest
+from .state import ServerState
+from .store import StoredResponse
+
+UNSUPPORTED_DATA = 1003
+POLICY_VIOLATION = 1008
+
+
+def _error_event(exc: APIError) -> dict[str, Any]:
+    return {"type": "error", "status": exc.status, **exc.body()}
+
+
+def _parse(message: dict[str, Any]) -> ResponsesRequest:
+    if message.get("type") != "response.create":
+        raise APIError(f"unknown message type {message.get('type')!r}; expected 'response.create'", param="type",
+                       code="invalid_message")
+    fields = message.get("response", {k: v for k, v in message.items() if k != "type"})
+    if not isinstance(fields, dict):
+        raise APIError("'response' must be an object", param="response", code="invalid_message")
+    try:
+        return ResponsesRequest.model_validate({**fields, "stream": True})
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def responses_websocket(websocket: WebSocket) -> None:
+    state: ServerState = websocket.app.state.loopstack
+    try:
+        principal = state.keyring.authenticate(websocket.headers.get("authorization"))
+    except AuthError:
+        await websocket.close(code=POLICY_VIOLATION, reason="invalid or missing API key")
+        return
+    await websocket.accept()
+    local: dict[str, StoredResponse] = {}  # store=false chains of this connection
+    try:
+        while True:
+            raw = await websocket.receive()
+            if raw["type"] == "websocket.disconnect":
+                return
+            if raw.get("bytes") is not None:
+                await websocket.close(code=UNSUPPORTED_DATA, reason="send JSON text messages")
+                return
+            try:
+                text = raw.get("text") or ""
+                if len(text) > state.max_body_bytes:
+                    raise APIError(f"message exceeds {state.max_body_bytes} bytes", status=413, code="body_too_large")
+                try:
+                    message = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise APIError(f"message is not valid JSON: {exc}", code="invalid_json") from None
+                if not isinstance(message, dict):
+                    raise APIError("message must be a JSON object", code="invalid_json")
+                request = _parse(message)
+                prepared = state.service.prepare(request, principal, local)
+            except APIError as exc:
+                await websocket.send_text(json.dumps(_error_event(exc)))
+                continue
+            session = Session(id=request.prompt_cache_key or prepared.response_id, tenant=principal.tenant)
+            started = time.perf_counter()
+            with state.live.request(session=session) as ctx:
+                async for event in state.service.run(prepared, local):
+                    if event["type"] in TERMINAL:
+                        observe(ctx, event["response"], time.perf_counter() - started)
+                    await websocket.send_text(json.dumps(event, separators=(",", ":")))
+    except WebSocketDisconnect:
+        return
