@@ -2,7 +2,8 @@
 
 Today that is the plugin kernel (stacks, plugins, a side-by-side benchmark) and the
 embedded engine on the real SmolLM2 model (streaming, prefix caching, constrained
-decoding). The API server, harness and techniques are later work; the demo says so.
+decoding). It then serves the same engine over the Responses API on loopback and runs a tool-calling
+round trip through it. The harness and the techniques are later work; the demo says so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import time
 
 from .bench.registry import workloads
+from .demo_api import run_api_demo
 from .bench.report import format_table
 from .bench.runner import run_bench
 from .bench.workload import BenchOptions
@@ -80,6 +82,8 @@ async def _engine(config: EngineConfig) -> None:
             SamplingParams(temperature=0, max_tokens=40, grammar={"type": "json_schema", "schema": WEATHER}),
         )
         _say(f"  [JSON Schema {json.dumps(WEATHER)}]\n      {constrained.text}")
+        _say("\n== API server (Responses API) over the same engine ==")
+        await asyncio.to_thread(run_api_demo, "baseline", engine, _say)
         blocks = core.block_manager.statistics()
         _say(f"  KV blocks: {blocks.num_used_blocks} used, {blocks.num_cached_blocks} cached, "
              f"prefix hit rate {blocks.hit_rate:.0%}")
