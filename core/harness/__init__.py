@@ -1,0 +1,3 @@
+"""The agent harness: tool execution around the kernel (shell tool, approval policy, sandbox)."""
+
+from __future__ import annotations
