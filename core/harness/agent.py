@@ -1,0 +1,300 @@
+"""The agent loop: model call, tool calls, repeat until the model answers in text.
+
+The conversation is a list of Responses API items, append-only: the user's task, the
+model's output items, one ``function_call_output`` per call. Each turn builds a
+Responses request from it, lets plugins shape the request (``loopstack_visible_tools``,
+``loopstack_extra_tools``, ``loopstack_prepare_request``), and sends it through the
+``model`` middleware chain; every tool call goes through the ``tool`` chain.
+
+Middleware contracts (what ``ctx.chain`` wraps):
+
+* model: ``handler(request: dict, ctx)`` is an async generator; its last
+  ``{"type": "response.completed" | "response.incomplete", "response": {...}}`` event
+  carries the response. Middlewares may yield other events; the loop ignores them.
+* tool: ``await handler(call: ToolCall, ctx) -> ToolResult``.
+
+Example::
+
+    async with ResponsesHTTPClient("http://127.0.0.1:8321/v1") as client:
+        agent = Agent(client, [get_weather], instructions="Use tools.", tool_choice_first="required")
+        result = await agent.run("What's the weather in Paris?")
+        print(result.final_text)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ..context import RequestContext, Session
+from ..plugin_manager import PluginCatalog
+from ..runtime import StackRuntime
+from ..stack import StackLoader
+from ..tools import ToolSet
+from .events import (
+    AgentEvent,
+    FinalAnswer,
+    ModelCalled,
+    ToolCalled,
+    TurnLimitReached,
+    TurnStarted,
+    Usage,
+)
+from .model_client import (
+    ModelClient,
+    TextCallback,
+    last_request_bytes,
+    serialize_request,
+)
+from .tool import Tool, ToolResult
+
+__all__ = ["Agent", "AgentResult", "ToolCall"]
+
+_FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
+_HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One ``function_call`` the model made, resolved against the request's tools.
+
+    Attributes:
+        call_id: the model's id for the call (echoed in the ``function_call_output``).
+        name: the tool name the model asked for.
+        arguments: parsed arguments, or the raw string when it was not a JSON object.
+        tool: the tool to run; None when the name is unknown (the endpoint answers an error).
+    """
+
+    call_id: str
+    name: str
+    arguments: dict[str, Any] | str
+    tool: Tool | None
+
+
+@dataclass
+class AgentResult:
+    """What :meth:`Agent.run` returns.
+
+    Attributes:
+        final_text: the model's last text answer ("" when the turn limit was reached).
+        turns: model calls made by this run.
+        items: the whole conversation (pass to ``Agent(items=...)`` to resume).
+        events: every event the run streamed.
+    """
+
+    final_text: str
+    turns: int
+    items: list[dict[str, Any]]
+    events: list[AgentEvent] = field(default_factory=list)
+
+
+def _baseline_runtime() -> StackRuntime:
+    catalog = PluginCatalog.discover()
+    return StackRuntime(StackLoader(catalog).load("baseline"), catalog)
+
+
+def _output_text(output: Sequence[dict[str, Any]]) -> str:
+    parts = [
+        part.get("text", "")
+        for item in output
+        if item.get("type") == "message"
+        for part in (item.get("content") or [])
+        if isinstance(part, dict) and part.get("type") in ("output_text", "text")
+    ]
+    return "".join(parts).strip()
+
+
+def _parse_arguments(raw: Any) -> dict[str, Any] | str:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        parsed = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return str(raw)
+    return parsed if isinstance(parsed, dict) else str(raw)
+
+
+@dataclass
+class _TurnState:
+    model_client: ModelClient | None = None
+    on_text_delta: TextCallback | None = None
+
+
+async def _call_model(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    # the model chain's endpoint; module-level (not a bound method) because ctx.chain caches
+    # one chain per endpoint identity and keeps the endpoint alive: one per Agent would leak
+    state = ctx.state(_HARNESS_STATE, _TurnState)
+    if state.model_client is None:
+        raise RuntimeError("no model client on this request context (the Agent sets one)")
+    if state.on_text_delta is None:
+        response = await state.model_client.create(request, ctx)
+    else:
+        response = await state.model_client.create(request, ctx, on_text_delta=state.on_text_delta)
+    yield {"type": "response.completed", "response": response}
+
+
+async def _run_tool(call: ToolCall, ctx: RequestContext) -> ToolResult:
+    # the tool chain's endpoint; module-level for the same reason as _call_model
+    if call.tool is None:
+        return ToolResult(f"unknown tool {call.name!r}", is_error=True)
+    if not isinstance(call.arguments, dict):
+        return ToolResult(f"arguments for tool {call.name!r} must be a JSON object, got {call.arguments!r}", is_error=True)
+    return await call.tool.call(call.arguments)
+
+
+class Agent:
+    """A tool-calling loop over a :class:`ModelClient`.
+
+    Args:
+        model_client: where model calls go (the caller owns and closes it).
+        tools: the tools the model may call (plugins may add more per request).
+        instructions: the system prompt.
+        runtime: the stack the loop runs under; None builds the shipped "baseline" stack.
+        max_turns: model calls per :meth:`run` before :class:`TurnLimitReached`.
+        model, temperature, max_output_tokens: copied into every request.
+        tool_choice_first: ``tool_choice`` of each run's first turn (``"required"`` forces a
+            tool call; small models need it); later turns use ``"auto"``.
+        items: a previous conversation (``AgentResult.items``) to continue.
+        session: the session plugins key their state on (default: a new one).
+        on_text_delta: receives the model's output text as it streams (the client streams).
+    """
+
+    def __init__(
+        self,
+        model_client: ModelClient,
+        tools: Sequence[Tool],
+        *,
+        instructions: str,
+        runtime: StackRuntime | None = None,
+        max_turns: int = 20,
+        model: str = "default",
+        temperature: float = 0.0,
+        max_output_tokens: int = 256,
+        tool_choice_first: str | dict[str, Any] = "auto",
+        items: Sequence[dict[str, Any]] | None = None,
+        session: Session | None = None,
+        on_text_delta: TextCallback | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        ToolSet([t.info for t in tools])  # rejects duplicate names now, not at the first turn
+        self.model_client = model_client
+        self.tools = list(tools)
+        self.instructions = instructions
+        self.runtime = runtime if runtime is not None else _baseline_runtime()
+        self.max_turns = max_turns
+        self.model = model
+        self.temperature = temperature
+        self.max_output_tokens = max_output_tokens
+        self.tool_choice_first = tool_choice_first
+        self.items: list[dict[str, Any]] = list(items or [])
+        self.session = session or Session()
+        self.on_text_delta = on_text_delta
+
+    async def run(self, task: str) -> AgentResult:
+        """Run ``task`` to a final answer or the turn limit; see :meth:`stream`."""
+        events = [event async for event in self.stream(task)]
+        final = next((e.text for e in reversed(events) if isinstance(e, FinalAnswer)), "")
+        turns = sum(isinstance(e, TurnStarted) for e in events)
+        return AgentResult(final_text=final, turns=turns, items=list(self.items), events=events)
+
+    async def stream(self, task: str) -> AsyncIterator[AgentEvent]:
+        """Append ``task`` as a user message and loop, yielding events as they happen.
+
+        Raises:
+            ModelClientError: the model server refused a request (the loop stops).
+        """
+        self.items.append({"type": "message", "role": "user", "content": task})
+        for turn in range(1, self.max_turns + 1):
+            yield TurnStarted(turn)
+            ctx = self.runtime.context(session=self.session)
+            tool_set, tools = self._resolve_tools(ctx)
+            request = self._build_request(tool_set, ctx, is_first_turn=turn == 1)
+            started = time.perf_counter()
+            response = await self._model_response(request, ctx)
+            seconds = time.perf_counter() - started
+            request_bytes = last_request_bytes(ctx) or len(serialize_request(request, ctx))
+            yield ModelCalled(request_bytes, Usage.from_response(response), seconds)
+            output = list(response.get("output") or [])
+            self.items.extend(output)
+            calls = [self._tool_call(item, tools) for item in output if item.get("type") == "function_call"]
+            if not calls:
+                yield FinalAnswer(_output_text(output))
+                return
+            for event in await self._run_calls(calls, ctx):
+                yield event
+        yield TurnLimitReached(self.max_turns)
+
+    # -- one turn ------------------------------------------------------------------------
+
+    def _resolve_tools(self, ctx: RequestContext) -> tuple[ToolSet, dict[str, Tool]]:
+        all_tools = [*self.tools, *ctx.hooks.extra_tools(ctx)]
+        tool_set = ToolSet([t.info for t in all_tools])  # a plugin's tool may not shadow one of ours
+        by_name = {t.info.name: t for t in all_tools}
+        ctx.hooks.visible_tools(tools=tool_set, ctx=ctx)
+        # deferred tools stay callable by name (found through search); hidden ones do not
+        callable_names = {t.name for t in [*tool_set.visible(), *tool_set.deferred()]}
+        return tool_set, {name: tool for name, tool in by_name.items() if name in callable_names}
+
+    def _build_request(self, tools: ToolSet, ctx: RequestContext, *, is_first_turn: bool) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "model": self.model,
+            "instructions": self.instructions,
+            "input": list(self.items),
+            "temperature": self.temperature,
+            "max_output_tokens": self.max_output_tokens,
+        }
+        visible = tools.visible()
+        if visible:
+            request["tools"] = [
+                {"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters}
+                for t in visible
+            ]
+            request["tool_choice"] = self.tool_choice_first if is_first_turn else "auto"
+        ctx.hooks.prepare_request(request=request, ctx=ctx)
+        return request
+
+    async def _model_response(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
+        state = ctx.state(_HARNESS_STATE, _TurnState)
+        state.model_client, state.on_text_delta = self.model_client, self.on_text_delta
+        response: dict[str, Any] | None = None
+        async for event in ctx.chain("model", _call_model)(request, ctx):
+            if isinstance(event, dict) and event.get("type") in _FINAL_EVENT_TYPES:
+                response = event["response"]
+        if response is None:
+            raise RuntimeError("the model chain ended without a response.completed event")
+        return response
+
+    @staticmethod
+    def _tool_call(item: dict[str, Any], tools: dict[str, Tool]) -> ToolCall:
+        name = str(item.get("name", ""))
+        return ToolCall(str(item.get("call_id", "")), name, _parse_arguments(item.get("arguments")), tools.get(name))
+
+    async def _run_calls(self, calls: list[ToolCall], ctx: RequestContext) -> list[ToolCalled]:
+        handler = ctx.chain("tool", _run_tool)
+        outcomes: list[tuple[ToolResult, float] | None] = [None] * len(calls)
+
+        async def run_one(index: int) -> None:
+            started = time.perf_counter()
+            result = await handler(calls[index], ctx)
+            outcomes[index] = (result, time.perf_counter() - started)
+
+        if len(calls) > 1 and all(c.tool is None or c.tool.is_concurrency_safe for c in calls):
+            async with anyio.create_task_group() as group:
+                for index in range(len(calls)):
+                    group.start_soon(run_one, index)
+        else:
+            for index in range(len(calls)):
+                await run_one(index)
+        events = []
+        for call, outcome in zip(calls, outcomes):
+            assert outcome is not None  # every run_one finished (the task group waited)
+            result, seconds = outcome
+            self.items.append({"type": "function_call_output", "call_id": call.call_id, "output": result.text})
+            events.append(ToolCalled(call.name, call.arguments, result.text, result.is_error, seconds, call.call_id))
+        return events

@@ -1,0 +1,211 @@
+"""Model clients: a Responses API request body in, the final response object out.
+
+``ModelClient`` is the one-method seam the agent loop calls (a test double is a class
+with ``create``). ``ResponsesHTTPClient`` posts to any Responses API server — loopstack's
+own ``loopstack serve`` or an OpenAI-compatible one — over one keep-alive connection pool.
+
+Example::
+
+    client = ResponsesHTTPClient("http://127.0.0.1:8321/v1")
+    try:
+        response = await client.create({"input": "Hi", "max_output_tokens": 16}, ctx)
+    finally:
+        await client.aclose()
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
+
+import httpx
+
+if TYPE_CHECKING:
+    from ..context import RequestContext
+
+__all__ = [
+    "ModelClient",
+    "ModelClientError",
+    "ResponsesHTTPClient",
+    "ResponsesHTTPStatistics",
+    "TextCallback",
+    "last_request_bytes",
+    "serialize_request",
+]
+
+_RECORD = "loopstack.model_client"
+_FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
+
+TextCallback = Callable[[str], None]  # ctx.state key of the per-request record below
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """Anything that turns a Responses API request body into a response object."""
+
+    async def create(
+        self, request: dict[str, Any], ctx: RequestContext, *, on_text_delta: TextCallback | None = None
+    ) -> dict[str, Any]:
+        """Send ``request`` and return the final response (``output``, ``usage``, ...).
+
+        ``on_text_delta``, when given, receives output text as it is generated (a client
+        that cannot stream may call it once with the whole text, or not at all).
+
+        Raises:
+            ModelClientError: the server refused the request or failed.
+        """
+        ...
+
+
+class ModelClientError(Exception):
+    """The model server answered with an error status.
+
+    Attributes:
+        status: the HTTP status (4xx, 5xx).
+        message: the server's error message.
+        code: the server's error code (``invalid_value``, ...) when it sent one.
+    """
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(f"{status}: {message}" + (f" ({code})" if code else ""))
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class _CallRecord:
+    request_bytes: int = 0
+
+
+def serialize_request(request: dict[str, Any], ctx: RequestContext) -> bytes:
+    """The request body as sent: a plugin's ``loopstack_serialize_request`` bytes, else compact JSON.
+
+    Records the size on ``ctx`` for :func:`last_request_bytes`.
+    """
+    body = ctx.hooks.serialize_request(request=request, ctx=ctx)
+    if body is None:
+        body = json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()
+    ctx.state(_RECORD, _CallRecord).request_bytes = len(body)
+    return body
+
+
+def last_request_bytes(ctx: RequestContext) -> int | None:
+    """Bytes of the body a client sent for this request, or None when none was serialized."""
+    record = ctx.state(_RECORD, _CallRecord)
+    return record.request_bytes or None
+
+
+class ResponsesHTTPStatistics(NamedTuple):
+    num_requests: int
+    num_errors: int
+    bytes_sent: int
+    bytes_received: int
+
+
+def _error_of(response: httpx.Response) -> ModelClientError:
+    try:
+        error = response.json().get("error") or {}
+        message, code = str(error.get("message") or response.text), error.get("code")
+    except (ValueError, AttributeError):
+        message, code = response.text or response.reason_phrase, None
+    return ModelClientError(response.status_code, message, code)
+
+
+class ResponsesHTTPClient:
+    """A Responses API client over HTTP (``POST {base_url}/responses``), non-streaming.
+
+    Args:
+        base_url: the API root as the OpenAI SDK takes it, e.g. ``http://127.0.0.1:8321/v1``.
+        api_key: sent as ``Authorization: Bearer``; None sends no header.
+        timeout_s: per-request timeout; None disables it.
+        transport: an httpx transport (tests, or a plugin's), default: the network.
+
+    One ``httpx.AsyncClient`` per instance keeps connections alive across calls; close it
+    with :meth:`aclose` (or ``async with``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float | None = 120,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"content-type": "application/json"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
+        )
+        self._num_requests = self._num_errors = self._bytes_sent = self._bytes_received = 0
+
+    async def create(
+        self, request: dict[str, Any], ctx: RequestContext, *, on_text_delta: TextCallback | None = None
+    ) -> dict[str, Any]:
+        """POST the request; with ``on_text_delta``, as SSE (``"stream": true``), calling it per delta.
+
+        Raises:
+            ModelClientError: an error status, a ``response.failed`` or ``error`` event, or a
+                stream that ended without a final response.
+            httpx.HTTPError: the connection failed or timed out.
+        """
+        if on_text_delta is not None:
+            request = {**request, "stream": True}
+        body = serialize_request(request, ctx)
+        self._num_requests += 1
+        self._bytes_sent += len(body)
+        try:
+            if on_text_delta is None:
+                return await self._post(body)
+            return await self._post_streaming(body, on_text_delta)
+        except (ModelClientError, httpx.HTTPError):
+            self._num_errors += 1
+            raise
+
+    async def _post(self, body: bytes) -> dict[str, Any]:
+        response = await self._http.post("/responses", content=body)
+        self._bytes_received += len(response.content)
+        if response.status_code >= 400:
+            raise _error_of(response)
+        return response.json()
+
+    async def _post_streaming(self, body: bytes, on_text_delta: TextCallback) -> dict[str, Any]:
+        async with self._http.stream("POST", "/responses", content=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                self._bytes_received += len(response.content)
+                raise _error_of(response)
+            async for line in response.aiter_lines():
+                self._bytes_received += len(line) + 1
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                kind = event.get("type")
+                if kind == "response.output_text.delta":
+                    on_text_delta(event.get("delta", ""))
+                elif kind in _FINAL_EVENT_TYPES:
+                    return event["response"]
+                elif kind == "response.failed":
+                    error = event["response"].get("error") or {}
+                    raise ModelClientError(response.status_code, str(error.get("message")), error.get("code"))
+                elif kind == "error":
+                    error = event.get("error") or {}
+                    raise ModelClientError(int(event.get("status") or 500), str(error.get("message")), error.get("code"))
+        raise ModelClientError(response.status_code, "the event stream ended without a final response")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def statistics(self) -> ResponsesHTTPStatistics:
+        return ResponsesHTTPStatistics(self._num_requests, self._num_errors, self._bytes_sent, self._bytes_received)
