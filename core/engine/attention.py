@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "allocate_kv_cache", "build_attention_mask", "paged_attention"]
+__all__ = ["AttentionMetadata", "allocate_kv_cache", "build_attention_mask", "contiguous_contexts", "paged_attention"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,84 +204,92 @@ def build_attention_mask(
     return additive.unsqueeze(1)
 
 
+def contiguous_contexts(kv_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    """Every layer's K and V of the one sequence of ``meta``, as a view of the cache.
+
+    Args:
+        kv_slots: ``[num_layers, 2, num_slots, num_kv_heads, head_dim]``, the cache with each
+            block's slots flattened.
+        meta: one sequence; its blocks must be consecutive (``meta.contiguous_first_block``).
+
+    Returns:
+        ``[num_layers, 2, 1, num_kv_heads, context_len, head_dim]`` (a view: writes to the
+        cache show through), or ``None`` when ``meta`` is not one contiguous sequence.
+        Made once per forward, it spares each layer a gather of its context.
+    """
+    if meta.contiguous_first_block is None:
+        return None
+    start = meta.contiguous_first_block * meta.block_size
+    return kv_slots[:, :, None, start : start + meta.context_lens[0]].transpose(-2, -3)
+
+
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv: torch.Tensor,
+    kv_slots: torch.Tensor,
     meta: AttentionMetadata,
     mask: torch.Tensor | None,
     scale: float,
+    context: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into the cache, then attend each sequence's queries over its context.
 
     Args:
         q: ``[T, num_heads, head_dim]`` new queries (rotary already applied).
-        k, v: ``[T, num_kv_heads, head_dim]`` new keys (rotary applied) and values.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, this layer's K and V.
+        kv: ``[2, T, num_kv_heads, head_dim]`` new keys (rotary applied) and values.
+        kv_slots: ``[2, num_slots, num_kv_heads, head_dim]``, this layer's K and V cache with
+            the slots of each block flattened (slot ``block_id * block_size + offset``).
         meta: where the sequences live in the cache.
         mask: from :func:`build_attention_mask`; ``None`` means one sequence attending
             causally over its whole context.
         scale: softmax scale (``head_dim ** -0.5``).
+        context: this layer's slice of :func:`contiguous_contexts`, if the caller made it.
 
     Returns:
         ``[T, num_heads, head_dim]`` attention output.
     """
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
-    k_slots, v_slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [slots, Hkv, D] each
-    k_slots.index_copy_(0, meta.slot_mapping, k)
-    v_slots.index_copy_(0, meta.slot_mapping, v)
+    num_heads, num_kv_heads, head_dim = q.shape[1], kv.shape[2], kv.shape[3]
+    kv_slots.index_copy_(1, meta.slot_mapping, kv)
     if mask is None and meta.num_tokens > 1:
         # fresh prefill of one sequence: its context is exactly the new tokens.
         # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the (5x slower) math kernel
+        k, v = kv.transpose(1, 2)[:, None]  # [1, Hkv, T, D] each
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True,
+            q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale, enable_gqa=True,
         )  # [1, H, T, D]
         return out[0].transpose(0, 1)
     group = num_heads // num_kv_heads
     if mask is None:
-        # decode of one sequence: its first context_len slots, no mask; the queries sharing
-        # a KV head become that head's query rows, no KV repeat
-        k_ctx, v_ctx = _single_sequence_context(k_slots, v_slots, meta)  # [C, Hkv, D]
-        out = F.scaled_dot_product_attention(
-            q.view(1, num_kv_heads, group, head_dim), k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],
-            scale=scale,
-        )  # [1, Hkv, G, D]
-        return out.view(1, num_heads, head_dim)
-    num_seqs, num_keys = meta.num_seqs, mask.shape[-1]
-    block_ids = meta.block_tables.view(-1)
-    k_ctx = kv_cache[0].index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)  # [B, K, Hkv, D]
-    v_ctx = kv_cache[1].index_select(0, block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim)
+        # decode of one sequence over its whole context, no mask; the queries sharing a KV
+        # head become that head's query rows (no KV repeat)
+        if context is None:
+            context = _gather_context(kv_slots, meta)[:, :, :, : meta.context_lens[0]]
+        k_ctx, v_ctx = context  # [1, Hkv, C, D] each
+        out = F.scaled_dot_product_attention(q.view(1, num_kv_heads, group, head_dim), k_ctx, v_ctx, scale=scale)
+        return out.view(1, num_heads, head_dim)  # from [1, Hkv, G, D]
+    num_seqs = meta.num_seqs
+    k_ctx, v_ctx = _gather_context(kv_slots, meta)  # [B, Hkv, K, D] each
     if meta.max_query_len == 1:
         # decode: as above, grouped queries with no KV repeat
         q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(
-            q_grouped, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-            attn_mask=mask.expand(num_seqs, 1, group, num_keys), scale=scale,
+            q_grouped, k_ctx, v_ctx, attn_mask=mask.expand(num_seqs, 1, group, mask.shape[-1]), scale=scale,
         )  # [B, Hkv, G, D]
         return out.reshape(num_seqs, num_heads, head_dim)
     q_pad = q.view(num_seqs, -1, num_heads, head_dim) if meta.has_uniform_queries else q[meta.query_index]
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=True,
+        q_pad.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * Q, H, D]
     return out if meta.has_uniform_queries else out[meta.output_index]
 
 
-def _single_sequence_context(
-    k_slots: torch.Tensor, v_slots: torch.Tensor, meta: AttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[context_len, Hkv, D]`` keys and values of the one sequence of ``meta``."""
-    context_len = meta.context_lens[0]
-    if meta.contiguous_first_block is not None:
-        start = meta.contiguous_first_block * meta.block_size
-        return k_slots[start : start + context_len], v_slots[start : start + context_len]
-    block_ids, shape = meta.block_tables.view(-1), (-1, meta.block_size, *k_slots.shape[1:])
-    k_ctx = k_slots.view(shape).index_select(0, block_ids).flatten(0, 1)[:context_len]
-    v_ctx = v_slots.view(shape).index_select(0, block_ids).flatten(0, 1)[:context_len]
-    return k_ctx, v_ctx
+def _gather_context(kv_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """``[2, B, Hkv, max_blocks * block_size, D]``: each sequence's blocks, padded as its table is."""
+    num_kv_heads, head_dim = kv_slots.shape[2], kv_slots.shape[3]
+    blocks = kv_slots.view(2, -1, meta.block_size, num_kv_heads, head_dim)
+    gathered = blocks.index_select(1, meta.block_tables.view(-1))  # [2, B * max_blocks, bs, Hkv, D]
+    return gathered.view(2, meta.num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3)
 
 
 def _validate(

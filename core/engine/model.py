@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from loopstack.engine.attention import (
     AttentionMetadata,
     allocate_kv_cache,
     build_attention_mask,
+    contiguous_contexts,
     paged_attention,
 )
 from loopstack.engine.config import ModelConfig
+from torch import nn
 
 __all__ = ["CausalLM", "rope_inv_freq"]
 
@@ -52,11 +53,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self._scaled: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None  # see _scaled_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one call (normalizes in float32 for low-precision inputs); HF's separate ops cost
-        # ~8 dispatches per norm, 60 norms per decode step
-        return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype != torch.float32:
+            # normalize in float32, scale in the model dtype (as HF does)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # x * rsqrt(mean(x^2) + eps) * w == x * (w * sqrt(H)) / hypot(|x|, sqrt(H * eps)): four ops
+        # where rms_norm takes ~13, and a decode step runs 61 norms of one row each
+        scaled_weight, eps_term = self._scaled_weight()
+        return (x * scaled_weight).div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).hypot_(eps_term))
+
+    def _scaled_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight * sqrt(H)`` and ``sqrt(H * eps)``, remade when the weight changes."""
+        weight, cached = self.weight, self._scaled
+        if cached is None or cached[0] is not weight or cached[1] != weight._version:
+            size = weight.shape[-1]
+            eps_term = torch.tensor(math.sqrt(size * self.eps), dtype=weight.dtype, device=weight.device)
+            cached = self._scaled = (weight, weight._version, weight.detach() * math.sqrt(size), eps_term)
+        return cached[2], cached[3]
 
 
 class Attention(nn.Module):
@@ -69,24 +84,27 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        self.projection_dtype: torch.dtype | None = None  # see CausalLM.use_projection_dtype
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_slots: torch.Tensor,
+        context: torch.Tensor | None,
         meta: AttentionMetadata,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        num_tokens, half = x.shape[0], self.head_dim // 2
-        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        # rotary on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
-        qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, mask, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        num_tokens, num_heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj.forward(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
+        # rotary on all heads at once (v's rows of cos/sin are 1/0):
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]
+        qkv = torch.addcmul(qkv * cos, qkv.roll(self.head_dim // 2, -1), sin)
+        kv = qkv[:, num_heads:].view(num_tokens, 2, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [2, T, Hkv, D]
+        out = paged_attention(qkv[:, :num_heads], kv, kv_slots, meta, mask, self.scale, context)  # [T, H, D]
+        out = out.reshape(num_tokens, -1)
+        return self.o_proj.forward(out if self.projection_dtype is None else out.to(self.projection_dtype))
 
 
 class MLP(nn.Module):
@@ -96,8 +114,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # SwiGLU
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)  # SwiGLU
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -107,18 +125,24 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.projection_dtype: torch.dtype | None = None  # see CausalLM.use_projection_dtype
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_slots: torch.Tensor,
+        context: torch.Tensor | None,
         meta: AttentionMetadata,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, mask)
-        return x + self.mlp(self.post_attn_norm(x))
+        # the residual stream keeps the model dtype; projection outputs add into it by promotion
+        dtype = self.projection_dtype
+        h = self.input_norm.forward(x)
+        x = x + self.attn.forward(h if dtype is None else h.to(dtype), cos, sin, kv_slots, context, meta, mask)
+        h = self.post_attn_norm.forward(x)
+        return x + self.mlp.forward(h if dtype is None else h.to(dtype))
 
 
 class CausalLM(nn.Module):
@@ -189,10 +213,16 @@ class CausalLM(nn.Module):
             ``[N, vocab_size]`` float32 logits.
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self._rotary(positions, hidden.dtype)  # [T, 1, D], sin sign-folded
+        cos, sin = self._rotary(positions, hidden.dtype)  # [T, H + 2 Hkv, D]
         mask = build_attention_mask(meta, self.config.sliding_window, hidden.dtype)
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            hidden = layer(hidden, cos, sin, layer_cache, meta, mask)
+        kv_slots = kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, Hkv, D]
+        contexts = contiguous_contexts(kv_slots, meta) if mask is None and meta.num_tokens == 1 else None
+        for layer, layer_slots, context in zip(
+            self.layers, kv_slots, repeat(None) if contexts is None else contexts
+        ):
+            # .forward, not __call__, inside the layers: module hooks are not supported there,
+            # and skipping them saves ~4 us on each of the ~270 module calls of a decode step
+            hidden = layer.forward(hidden, cos, sin, layer_slots, context, meta, mask)
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
         hidden = self.norm(hidden[logits_indices])  # [N, hidden]
@@ -203,11 +233,31 @@ class CausalLM(nn.Module):
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        c = self.config
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D / 2]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        sin = angles.sin()
-        sin[..., : sin.shape[-1] // 2].neg_()  # [-sin, sin]: pairs with roll(x, D/2) in Attention
-        return angles.cos().to(dtype), sin.to(dtype)
+        # rows per head of the fused qkv: q and k rotate, v passes (cos 1, sin 0);
+        # sin is [-sin, sin] to pair with roll(x, D/2) in Attention
+        shape = (positions.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        num_rotated = c.num_heads + c.num_kv_heads
+        cos = torch.ones(shape, dtype=dtype, device=positions.device)
+        sin = torch.zeros(shape, dtype=dtype, device=positions.device)
+        cos[:, :num_rotated] = angles.cos()
+        sin[:, :num_rotated] = angles.sin()
+        sin[:, :num_rotated, : c.head_dim // 2].neg_()
+        return cos, sin
+
+    def use_projection_dtype(self, dtype: torch.dtype | None) -> None:
+        """Feed the projections ``dtype`` activations (``None``: the model's dtype).
+
+        For projections that compute in another dtype (the weight-only kernels take
+        bfloat16): the casts then happen once per norm, not inside every projection, and
+        SwiGLU runs between two projections without leaving it. The residual stream, norms
+        and attention keep the model's dtype.
+        """
+        for module in self.layers:
+            layer = cast(DecoderLayer, module)
+            layer.projection_dtype = layer.attn.projection_dtype = dtype
 
     # -- weights in Hugging Face names ------------------------------------------------------
 

@@ -4,7 +4,9 @@ Decode at batch 1 reads every weight once per token, so its speed is set by weig
 ``_weight_int4pack_mm_for_cpu`` (4-bit, group-wise scale and zero) and
 ``_weight_int8pack_mm`` (8-bit, per-channel scale) read 8x / 4x fewer bytes than float32.
 Both want bfloat16 activations (their float32 variants are 10x slower): the layers cast in
-and out, so the residual stream, norms and attention keep the model's float32.
+and out, so the residual stream, norms and attention keep the model's float32 (a
+:class:`~loopstack.engine.model.CausalLM` quantized with bfloat16 dense weights is fed
+bfloat16 directly: see ``CausalLM.use_projection_dtype``).
 
 Past ~12 rows these kernels lose to a dense matmul, so each layer keeps float weights
 (``dense``) for prefill-sized inputs: bfloat16 where the CPU multiplies it natively
@@ -21,16 +23,20 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from loopstack.engine.device import cpu_has_fast_bfloat16
+from loopstack.engine.model import CausalLM
 from torch import nn
 
-from loopstack.engine.device import cpu_has_fast_bfloat16
-
-__all__ = ["DENSE_ABOVE_ROWS", "HeadMode", "Int4Linear", "Int8Linear", "Int8RescoredHead", "QuantMode", "quantize_model"]
+__all__ = ["DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "HeadMode", "Int4Linear", "Int8Linear", "Int8RescoredHead", "QuantMode", "quantize_model"]
 
 QuantMode = Literal["int4", "int8"]
 HeadMode = Literal["int4", "int8", "int8_rescored"]
-# measured on 2 Xeon cores (AVX-512 + AMX): int4 wins up to ~12 rows, bf16 dense beyond
+# measured on 2 Xeon cores (AVX-512 + AMX): int4 wins up to ~12 rows, bf16 dense beyond.
+# Measure in the whole model: one matrix alone stays in L3 and flatters bf16 dense (at 8 rows
+# it looks 1.3x faster than int4; a batch-8 decode step is 1.15x slower with it)
 DENSE_ABOVE_ROWS = 8
+# rows up to which a rescored head ranks with a cheap pass (all-position logits go exact)
+MAX_RESCORED_ROWS = 16
 
 
 class _WeightOnlyLinear(nn.Module):
@@ -48,31 +54,37 @@ class _WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[M, N]`` bfloat16 output of ``[M, K]`` bfloat16 ``rows``."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [M, K]
+        # a decode step calls this 4x per layer: no-op casts and views are skipped, not called
+        is_2d = x.dim() == 2
+        rows = x if is_2d else x.reshape(-1, self.in_features)  # [M, K]
         if rows.shape[0] > DENSE_ABOVE_ROWS:
-            out = F.linear(rows.to(self.dense.dtype), self.dense)
+            dense = self.dense
+            out = F.linear(rows if rows.dtype == dense.dtype else rows.to(dense.dtype), dense)
         else:
-            out = self._quantized_mm(rows)  # [M, N]
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            out = self._quantized_mm(rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16))  # [M, N]
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        if not is_2d:
+            out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
 class Int4Linear(_WeightOnlyLinear):
     """4-bit weights in groups of ``group_size`` input columns, each with a scale and a zero.
 
-    The kernel holds scale and zero in bfloat16. The zero's rounding error is the larger
-    one (the zero sits near the group's mean, the scale is 1/15 of its range); it is added
-    back exactly, in float32, as ``group_sums(x) @ zero_error`` - a ``[M, K/gs] @ [K/gs, N]``
-    product, small next to the main one. Measured on SmolLM2-135M (Q4_1 source): mean KL to
-    the float32 model 0.0009 without the correction, 0.0003 with it (a bfloat16 model: 0.0014).
+    The kernel holds scale and zero in bfloat16; the zero's rounding is the larger error,
+    and each group picks the encoding whose zero rounds better (see ``_int4_groups``).
+    Measured on SmolLM2-135M (Q4_1 source), mean KL to the float32 model: 0.0003-0.0004
+    (as with the float32 zero correction ``group_sums(x) @ zero_error`` this replaces, which
+    cost two extra ops per projection; a bfloat16 model: 0.0014).
     """
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
-    zero_error: torch.Tensor
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32,
@@ -93,7 +105,7 @@ class Int4Linear(_WeightOnlyLinear):
 
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
+            rows.contiguous(), self.packed, self.group_size, self.scales_and_zeros
         )
 
 
@@ -135,32 +147,39 @@ class Int8Linear(_WeightOnlyLinear):
         self.register_buffer("scales", scale, persistent=False)
 
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.codes, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.codes, self.scales)
 
 
 class Int8RescoredHead(nn.Module):
-    """Output head: int8 weights rank the vocabulary, then each row's ``num_exact`` best
+    """Output head: a cheap pass ranks the vocabulary, then each row's ``num_exact`` best
     logits are recomputed exactly from the float weights.
 
     A float32 head reads 4 bytes per weight every token (113 MB for SmolLM2's 49152 x 576,
-    the largest read of a decode step); ``_weight_int8pack_mm`` reads one and is ~2.7x
-    faster, but its per-channel rounding alone costs KL ~2e-3 to the float32 model. With the
-    top ``num_exact`` rescored, greedy choices and the probability mass that matters are
-    exact; only the far tail keeps the int8 error. Inputs of more than ``DENSE_ABOVE_ROWS``
-    rows (all-position logits) use the float weights directly.
+    the largest read of a decode step). The cheap pass is ``_weight_int8pack_mm`` (one byte
+    per weight, ~2.3x faster at one row, ~2.6x at eight) up to ``DENSE_ABOVE_ROWS`` rows,
+    then a ``dense_dtype`` matmul (bfloat16) up to ``MAX_RESCORED_ROWS``; their
+    rounding alone costs KL ~2e-3 to the float32 model. With the top ``num_exact`` rescored,
+    greedy choices and the probability mass that matters are exact; only the far tail keeps
+    the approximation. More rows (all-position logits) use the float weights directly.
     """
 
     weight: torch.Tensor
+    dense: torch.Tensor | None
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, num_exact: int = 128) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, num_exact: int = 128,
+        dense_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.num_exact = min(num_exact, self.out_features)
         self.register_buffer("weight", weight.detach(), persistent=False)  # [V, H]; shares a tied embedding's storage
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        is_cheaper = dense_dtype is not None and dense_dtype.itemsize < weight.dtype.itemsize
+        self.register_buffer("dense", weight.detach().to(dense_dtype) if is_cheaper else None, persistent=False)
         w = weight.detach().float()
         scale = (w.abs().amax(-1) / 127).clamp(min=1e-8).to(torch.bfloat16)  # [V]
         self.register_buffer("codes", torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8),
@@ -169,10 +188,17 @@ class Int8RescoredHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.weight.dtype)  # [M, H]
-        if rows.shape[0] > DENSE_ABOVE_ROWS:
+        num_rows, dense = rows.shape[0], self.dense
+        if num_rows <= DENSE_ABOVE_ROWS:
+            approx = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.codes, self.scales)
+        elif dense is not None and num_rows <= MAX_RESCORED_ROWS:
+            approx = F.linear(rows.to(dense.dtype), dense)
+        else:
+            approx = None
+        if approx is None:
             logits = F.linear(rows, self.weight)
         else:
-            logits = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.codes, self.scales).float()
+            logits = approx.float()
             top_ids = logits.topk(self.num_exact, dim=-1, sorted=False).indices  # [M, k]
             top_weights = self.weight.index_select(0, top_ids.view(-1)).view(*top_ids.shape, -1)  # [M, k, H]
             exact = torch.bmm(top_weights, rows[:, :, None]).squeeze(-1)  # [M, k]
@@ -214,7 +240,7 @@ def quantize_model(
 
     def convert(linear_weight: torch.Tensor, bias: torch.Tensor | None, kind: HeadMode) -> nn.Module | None:
         if kind == "int8_rescored":
-            return Int8RescoredHead(linear_weight, bias)
+            return Int8RescoredHead(linear_weight, bias, dense_dtype=dense_dtype)
         if kind == "int8":
             return Int8Linear(linear_weight, bias, dense_dtype)
         if linear_weight.shape[1] % group_size:
@@ -236,4 +262,8 @@ def quantize_model(
     if new_head is not None:
         model.lm_head = new_head
         replaced += 1
+    is_all_bfloat16 = dense_dtype == torch.bfloat16 and isinstance(model, CausalLM)
+    if is_all_bfloat16 and not any(isinstance(m, nn.Linear) for m in model.layers.modules()):
+        # every projection now computes in bfloat16 on both paths: feed it bfloat16 directly
+        model.use_projection_dtype(torch.bfloat16)
     return replaced

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from loopstack.engine.attention import AttentionMetadata, build_attention_mask
 from loopstack.engine.config import ModelConfig
-from loopstack.engine.model import rope_inv_freq
-from loopstack.engine.quant import Int4Linear, quantize_model
+from loopstack.engine.model import RMSNorm, rope_inv_freq
+from loopstack.engine.quant import Int4Linear, Int8RescoredHead, quantize_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200, 11, 0, 255, 90, 45]
 ATOL = 1e-4
@@ -107,6 +106,42 @@ def test_fresh_single_prefill_skips_the_mask():
     assert (mask[0, 0] == 0).sum(-1).tolist() == [4, 5]  # query positions 3 and 4 see 4 and 5 keys
 
 
+def test_single_sequence_decode_needs_no_mask():
+    decode = AttentionMetadata.build([1], [7], [[3, 1]], block_size=4)
+    assert build_attention_mask(decode) is None
+    assert build_attention_mask(decode, sliding_window=7) is None
+    assert build_attention_mask(decode, sliding_window=4).shape == (1, 1, 1, 8)  # the window cuts
+
+
+def test_contiguous_blocks_are_read_in_place():
+    assert AttentionMetadata.build([1], [7], [[4, 5, 9]], block_size=4).contiguous_first_block == 4
+    assert AttentionMetadata.build([1], [7], [[5, 4]], block_size=4).contiguous_first_block is None
+    assert AttentionMetadata.build([1, 1], [3, 3], [[0], [1]], block_size=4).contiguous_first_block is None
+
+
+@pytest.mark.parametrize("table", [list(range(2, 8)), [7, 3, 5, 2, 6, 4]], ids=["contiguous", "shuffled"])
+def test_single_sequence_decode_matches_dense_reference(tiny_model, reference_forward, table):
+    block_size, prefix = 4, 6
+    cache = tiny_model.allocate_kv_cache(num_blocks=8, block_size=block_size)
+    rows = []
+    with torch.inference_mode():
+        for end in range(prefix, len(PROMPT) + 1):
+            start = 0 if end == prefix else end - 1
+            meta = AttentionMetadata.build([end - start], [end], [table], block_size)
+            rows.append(tiny_model(torch.tensor(PROMPT[start:end]), meta.positions(), cache, meta)[0])
+    torch.testing.assert_close(torch.stack(rows), reference_forward(tiny_model, PROMPT)[prefix - 1 :], atol=ATOL, rtol=0)
+
+
+def test_rms_norm_matches_the_hf_formula_and_follows_weight_updates():
+    torch.manual_seed(0)
+    norm, x = RMSNorm(48, eps=1e-5), torch.randn(3, 48)
+    for _ in range(2):
+        expected = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(48))  # a reload: the cached scaled weight must follow
+
+
 def test_slot_mapping_follows_block_table():
     meta = AttentionMetadata.build([2, 1], [6, 3], [[7, 2], [5]], block_size=4)
     assert meta.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 5 * 4 + 2]
@@ -181,3 +216,39 @@ def test_quantized_tiny_model_stays_close_on_both_paths(tiny_model, paged_runner
 def test_quantize_refuses_unknown_modes(tiny_model):
     with pytest.raises(ValueError, match="int3"):
         quantize_model(tiny_model, "int3")  # type: ignore[arg-type]
+
+
+def test_rescored_head_keeps_the_top_logits_exact():
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 64), torch.randn(3, 64)
+    head = Int8RescoredHead(weight, num_exact=16, dense_dtype=torch.bfloat16)
+    expected, logits = x @ weight.T, head(x)
+    top = expected.topk(8, dim=-1).indices  # well inside the 16 rescored: the int8 ranking may swap the 16th
+    torch.testing.assert_close(logits.gather(1, top), expected.gather(1, top), atol=1e-5, rtol=0)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # the int8 tail: ~1/127 of each row's largest weight, times |x|
+    torch.testing.assert_close(logits, expected, atol=0.2, rtol=0)
+    for num_rows in (3, 9):  # the int8 pass, then the bfloat16 one
+        rows = torch.randn(num_rows, 64)
+        expected, logits = rows @ weight.T, head(rows)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+        torch.testing.assert_close(logits.max(-1).values, expected.max(-1).values, atol=1e-5, rtol=0)
+    many_rows = torch.randn(20, 64)  # past MAX_RESCORED_ROWS: the float weights, exactly
+    torch.testing.assert_close(head(many_rows), many_rows @ weight.T, atol=1e-5, rtol=0)
+
+
+def test_quantized_model_with_bfloat16_projections_stays_close(tiny_model, paged_runner):
+    with torch.no_grad():
+        for param in tiny_model.parameters():
+            if param.dim() == 2:
+                param.copy_(snap_to_4bit_grid(param))
+    expected = paged_runner(tiny_model).step({"a": PROMPT}, all_logits=True)
+    quantize_model(tiny_model, "int4", head="int8_rescored", dense_dtype=torch.bfloat16)
+    assert tiny_model.layers[0].projection_dtype == torch.bfloat16
+    prefill = paged_runner(tiny_model).step({"a": PROMPT}, all_logits=True)  # dense bfloat16 path
+    runner = paged_runner(tiny_model)
+    decode = torch.cat([runner.step({"a": [t]}) for t in PROMPT])  # the int4 kernel path
+    for logits in (prefill, decode):
+        assert logits.dtype == torch.float32
+        assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+        torch.testing.assert_close(logits, expected, atol=0.03 * expected.abs().max().item(), rtol=0)
