@@ -18,9 +18,9 @@ from .errors import APIError
 from .http_common import arm_overrides, handles_errors, parse_model, principal_of, read_json, state_of
 from .ids import new_id
 from .schemas import ChatCompletionsRequest
-from .service import DEFAULT_MAX_OUTPUT_TOKENS
+from .service import generation_inputs
 from .sse import encode_data
-from .tool_calls import TextFormatError, ToolCallStreamParser, ToolChoiceError, response_grammar
+from .tool_calls import ToolCallStreamParser
 
 
 def _prepare(state: Any, body: ChatCompletionsRequest) -> tuple[list[int], SamplingParams, set[str]]:
@@ -35,23 +35,11 @@ def _prepare(state: Any, body: ChatCompletionsRequest) -> tuple[list[int], Sampl
     if response_format is not None and response_format.get("type") == "json_schema":
         schema = response_format.get("json_schema", {})
         response_format = {"type": "json_schema", "schema": schema.get("schema", {}), "strict": schema.get("strict")}
-    try:
-        grammar = response_grammar(tools, body.tool_choice, body.parallel_tool_calls, response_format)
-    except ToolChoiceError as exc:
-        raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
-    except TextFormatError as exc:
-        raise APIError(str(exc), param="response_format", code="invalid_value") from None
-    prompt_ids = state.engine.tokenizer.encode(prompt)
-    room = state.engine.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise APIError(f"The messages are {len(prompt_ids)} tokens; the context window is "
-                       f"{state.engine.max_model_len}.", param="messages", code="context_length_exceeded")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    params = SamplingParams(
-        max_tokens=min(body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        seed=body.seed, stop=tuple(stop), grammar=grammar,
+    prompt_ids, params = generation_inputs(
+        state.engine, prompt, tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+        text_format=response_format, format_param="response_format", input_param="messages",
+        max_tokens=body.max_completion_tokens or body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+        seed=body.seed, stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
     )
     return prompt_ids, params, {t.name for t in tools}
 

@@ -38,6 +38,45 @@ class EngineClient(Protocol):
                salt: str = "") -> AsyncIterator[Any]: ...
 
 
+def generation_inputs(
+    engine: EngineClient,
+    prompt: str,
+    tools: list[Any],
+    *,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    text_format: dict[str, Any] | None,
+    format_param: str,
+    input_param: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: tuple[str, ...] = (),
+) -> tuple[list[int], SamplingParams]:
+    """Prompt ids and sampling settings shared by both APIs; raises APIError naming the field."""
+    try:
+        grammar = response_grammar(tools, tool_choice, parallel_tool_calls, text_format)
+    except ToolChoiceError as exc:
+        raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
+    except TextFormatError as exc:
+        raise APIError(str(exc), param=format_param, code="invalid_value") from None
+    prompt_ids = engine.tokenizer.encode(prompt)
+    room = engine.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise APIError(f"The {input_param} is {len(prompt_ids)} tokens; this model's context window is "
+                       f"{engine.max_model_len} tokens.", param=input_param, code="context_length_exceeded")
+    params = SamplingParams(
+        max_tokens=min(max_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed,
+        stop=stop,
+        grammar=grammar,
+    )
+    return prompt_ids, params
+
+
 @dataclass
 class Prepared:
     request: ResponsesRequest
@@ -93,25 +132,12 @@ class ResponsesService:
             raise APIError(str(exc), param="input", code="invalid_input") from None
         except (ValueError, TypeError) as exc:
             raise APIError(f"invalid tools: {exc}", param="tools", code="invalid_value") from None
-        text_format = request.text.format if request.text else None
-        try:
-            grammar = response_grammar(tools, request.tool_choice, request.parallel_tool_calls, text_format)
-        except ToolChoiceError as exc:
-            raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
-        except TextFormatError as exc:
-            raise APIError(str(exc), param="text.format", code="invalid_value") from None
-        prompt_ids = self.engine.tokenizer.encode(prompt)
-        room = self.engine.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise APIError(
-                f"The input is {len(prompt_ids)} tokens; this model's context window is "
-                f"{self.engine.max_model_len} tokens.", param="input", code="context_length_exceeded")
-        params = SamplingParams(
-            max_tokens=min(request.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            seed=request.seed,
-            grammar=grammar,
+        prompt_ids, params = generation_inputs(
+            self.engine, prompt, tools, tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            text_format=request.text.format if request.text else None, format_param="text.format",
+            input_param="input", max_tokens=request.max_output_tokens, temperature=request.temperature,
+            top_p=request.top_p, seed=request.seed,
         )
         return Prepared(request, principal, new_id("resp"), new_items, prompt_ids, params,
                         {t.name for t in tools})

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,20 @@ class GenerationResult:
     finish_reason: FinishReason | None
     usage: Usage
     error: str | None = None
+
+    @classmethod
+    async def collect(cls, outputs: AsyncIterable[RequestOutput]) -> GenerationResult:
+        """Drain a request's outputs (a stream that ends with ``finished=True``) into one result."""
+        tokens: list[int] = []
+        text: list[str] = []
+        last: RequestOutput | None = None
+        async for output in outputs:
+            tokens.extend(output.new_token_ids)
+            text.append(output.new_text)
+            last = output
+        if last is None:
+            raise RuntimeError("the request produced no output")
+        return cls(last.request_id, tokens, "".join(text), last.finish_reason, last.usage, last.error)
 
 
 class _Waiter:
@@ -103,15 +117,9 @@ class AsyncEngine:
         salt: str = "",
     ) -> GenerationResult:
         """Run one request to the end and return its tokens, text and usage."""
-        tokens: list[int] = []
-        text: list[str] = []
-        last: RequestOutput | None = None
-        async for output in self.stream(prompt_token_ids, params, request_id=request_id, salt=salt):
-            tokens.extend(output.new_token_ids)
-            text.append(output.new_text)
-            last = output
-        assert last is not None  # stream always ends with a finished output
-        return GenerationResult(last.request_id, tokens, "".join(text), last.finish_reason, last.usage, last.error)
+        return await GenerationResult.collect(
+            self.stream(prompt_token_ids, params, request_id=request_id, salt=salt)
+        )
 
     def _submit(self, kind: str, item: Any) -> None:
         with self._cond:

@@ -322,16 +322,8 @@ class ReplicaPool:
         salt: str = "",
     ) -> GenerationResult:
         """Run one request to the end on one replica; raises like :meth:`stream`."""
-        tokens: list[int] = []
-        text: list[str] = []
-        last: RequestOutput | None = None
         async with self.stream(replica_index, prompt_token_ids, params, request_id=request_id, salt=salt) as stream:
-            async for output in stream:
-                tokens.extend(output.new_token_ids)
-                text.append(output.new_text)
-                last = output
-        assert last is not None  # a stream ends with a finished output or raises
-        return GenerationResult(last.request_id, tokens, "".join(text), last.finish_reason, last.usage, last.error)
+            return await GenerationResult.collect(stream)
 
     # -- routing inputs -------------------------------------------------------------------------------
 
