@@ -8,7 +8,7 @@ through search instead of listed up front), hidden, and in which order they are 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -74,6 +74,25 @@ class ToolSet:
         """Remove ``name`` from what the model sees, listed or searched."""
         self._require(name)
         self._hidden.add(name)
+
+    def update(self, name: str, **changes: Any) -> None:
+        """Replace fields of ``name``'s :class:`ToolInfo` (for example a description a plugin
+        generates from the other tools, as Code Mode does for ``exec``)."""
+        self._require(name)
+        if "name" in changes and changes["name"] != name:
+            raise ValueError(f"tool {name!r}: update() cannot rename a tool")
+        self._tools = [replace(t, **changes) if t.name == name else t for t in self._tools]
+
+    def get(self, name: str) -> ToolInfo:
+        """The :class:`ToolInfo` of ``name`` (``KeyError`` names the known tools)."""
+        self._require(name)
+        return next(t for t in self._tools if t.name == name)
+
+    def is_hidden(self, name: str) -> bool:
+        return name in self._hidden
+
+    def is_deferred(self, name: str) -> bool:
+        return name in self._deferred
 
     def pin_order(self, key: Callable[[ToolInfo], Any]) -> None:
         """Sort the tools by ``key`` (stable), for a byte-stable request prefix."""

@@ -53,7 +53,7 @@ from .model_client import (
 )
 from .tool import Tool, ToolResult
 
-__all__ = ["Agent", "AgentResult", "ToolCall"]
+__all__ = ["Agent", "AgentResult", "ToolCall", "dispatch_tool_call", "turn_tools"]
 
 _FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
 _HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
@@ -123,6 +123,26 @@ def _parse_arguments(raw: Any) -> dict[str, Any] | str:
 class _TurnState:
     model_client: ModelClient | None = None
     on_text_delta: TextCallback | None = None
+    tools: dict[str, Tool] = field(default_factory=dict)
+
+
+def turn_tools(ctx: RequestContext) -> dict[str, Tool]:
+    """Every tool callable in this request (the agent's, plugins' extra tools, deferred
+    ones), by name. Set before ``loopstack_visible_tools`` runs, so a plugin's hooks and
+    middlewares (Code Mode's ``tools.<name>``) can reach the tools themselves."""
+    return ctx.state(_HARNESS_STATE, _TurnState).tools
+
+
+async def dispatch_tool_call(
+    ctx: RequestContext, name: str, arguments: dict[str, Any] | str, *, call_id: str = ""
+) -> ToolResult:
+    """Run one tool call through this request's ``tool`` middleware chain (approval,
+    validation, tracing), exactly as a call the model made directly would run.
+
+    For plugins that make tool calls on the model's behalf (Code Mode). An unknown name
+    comes back as an error result, like any other failure."""
+    call = ToolCall(call_id, name, arguments, turn_tools(ctx).get(name))
+    return await ctx.chain("tool", _run_tool)(call, ctx)
 
 
 async def _call_model(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
@@ -145,6 +165,14 @@ async def _run_tool(call: ToolCall, ctx: RequestContext) -> ToolResult:
     if not isinstance(call.arguments, dict):
         return ToolResult(f"arguments for tool {call.name!r} must be a JSON object, got {call.arguments!r}", is_error=True)
     return await call.tool.call(call.arguments)
+
+
+def _output_item(call_id: str, result: ToolResult) -> dict[str, Any]:
+    if result.loaded_tools:
+        # schemas found by tool search: appended here, at the end of the context, never
+        # inserted into the up-front tool list (which would invalidate the cached prefix)
+        return {"type": "tool_search_output", "call_id": call_id, "output": result.text, "tools": list(result.loaded_tools)}
+    return {"type": "function_call_output", "call_id": call_id, "output": result.text}
 
 
 class Agent:
@@ -236,10 +264,13 @@ class Agent:
         all_tools = [*self.tools, *ctx.hooks.extra_tools(ctx)]
         tool_set = ToolSet([t.info for t in all_tools])  # a plugin's tool may not shadow one of ours
         by_name = {t.info.name: t for t in all_tools}
+        state = ctx.state(_HARNESS_STATE, _TurnState)
+        state.tools = dict(by_name)
         ctx.hooks.visible_tools(tools=tool_set, ctx=ctx)
         # deferred tools stay callable by name (found through search); hidden ones do not
         callable_names = {t.name for t in [*tool_set.visible(), *tool_set.deferred()]}
-        return tool_set, {name: tool for name, tool in by_name.items() if name in callable_names}
+        state.tools = {name: tool for name, tool in by_name.items() if name in callable_names}
+        return tool_set, state.tools
 
     def _build_request(self, tools: ToolSet, ctx: RequestContext, *, is_first_turn: bool) -> dict[str, Any]:
         request: dict[str, Any] = {
@@ -295,6 +326,6 @@ class Agent:
         for call, outcome in zip(calls, outcomes):
             assert outcome is not None  # every run_one finished (the task group waited)
             result, seconds = outcome
-            self.items.append({"type": "function_call_output", "call_id": call.call_id, "output": result.text})
+            self.items.append(_output_item(call.call_id, result))
             events.append(ToolCalled(call.name, call.arguments, result.text, result.is_error, seconds, call.call_id))
         return events

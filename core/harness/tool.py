@@ -30,10 +30,17 @@ class ToolResult:
     Attributes:
         text: the content the model reads.
         is_error: the call failed (bad arguments, an exception, a server-side error).
+        loaded_tools: function tool definitions (Responses shape: ``{"type": "function",
+            "name", "description", "parameters"}``) this result makes callable from now on.
+            Tool search returns the schemas it found here; the agent then appends a
+            ``tool_search_output`` item (output text plus ``tools``) instead of a plain
+            ``function_call_output``, so the schemas enter the context at its end and the
+            cached prefix stays valid.
     """
 
     text: str
     is_error: bool = False
+    loaded_tools: tuple[dict[str, Any], ...] = ()
 
 
 @runtime_checkable
