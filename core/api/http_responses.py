@@ -11,7 +11,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..context import Session
 from .errors import not_found
-from .http_common import arm_overrides, handles_errors, parse_model, principal_of, read_json, state_of
+from .http_common import (
+    arm_overrides,
+    handles_errors,
+    parse_model,
+    principal_of,
+    read_json,
+    state_of,
+)
+from .response_chain import ResponseJob, run_response
 from .schemas import ResponsesRequest
 from .sse import sse_stream
 
@@ -42,7 +50,7 @@ async def create_response(request: Request) -> Response:
     if not body.stream:
         with state.live.request(session=session, overrides=overrides) as ctx:
             final = None
-            async for event in state.service.run(prepared):
+            async for event in run_response(ResponseJob(state.service, prepared), ctx):
                 if event["type"] in TERMINAL:
                     final = event["response"]
             observe(ctx, final, time.perf_counter() - started)
@@ -51,7 +59,7 @@ async def create_response(request: Request) -> Response:
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         with state.live.request(session=session, overrides=overrides) as ctx:
-            async for event in state.service.run(prepared):
+            async for event in run_response(ResponseJob(state.service, prepared), ctx):
                 if event["type"] in TERMINAL:
                     observe(ctx, event["response"], time.perf_counter() - started)
                 yield event

@@ -20,6 +20,7 @@ from ..context import Session
 from .auth import AuthError
 from .errors import APIError, from_validation_error
 from .http_responses import TERMINAL, observe
+from .response_chain import ResponseJob, run_response
 from .schemas import ResponsesRequest
 from .state import ServerState
 from .store import StoredResponse
@@ -80,7 +81,7 @@ async def responses_websocket(websocket: WebSocket) -> None:
             session = Session(id=request.prompt_cache_key or prepared.response_id, tenant=principal.tenant)
             started = time.perf_counter()
             with state.live.request(session=session) as ctx:
-                async for event in state.service.run(prepared, local):
+                async for event in run_response(ResponseJob(state.service, prepared, local), ctx):
                     if event["type"] in TERMINAL:
                         observe(ctx, event["response"], time.perf_counter() - started)
                     await websocket.send_text(json.dumps(event, separators=(",", ":")))

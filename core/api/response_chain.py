@@ -1,0 +1,45 @@
+"""The server's ``response`` middleware chain: what ``loopstack_response_middleware`` wraps.
+
+Contract: a handler is called as ``handler(job, ctx)`` and is an async generator of
+Responses API stream events (``response.created`` ... ``response.completed``); the
+endpoint runs the engine through :meth:`ResponsesService.run`. A middleware may start
+work alongside the inner handler (a guard overlapping inference), hold or drop events,
+or stop iterating the inner generator: closing it cancels the generation and frees its
+KV blocks. ``job.prepared`` carries the parsed request, the principal, the new input
+items and the prompt token ids.
+
+HTTP (JSON and SSE) and WebSocket requests all go through :func:`run_response`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..context import RequestContext
+    from .service import Prepared, ResponsesService
+    from .store import StoredResponse
+
+__all__ = ["ResponseJob", "run_response"]
+
+
+@dataclass(frozen=True)
+class ResponseJob:
+    """One response to generate: what the ``response`` chain's handlers receive."""
+
+    service: ResponsesService
+    prepared: Prepared
+    local: MutableMapping[str, StoredResponse] | None = None
+
+
+async def _generate(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    # the chain's endpoint; module-level so ctx.chain caches one chain per arm combination
+    async for event in job.service.run(job.prepared, job.local):
+        yield event
+
+
+def run_response(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    """The events of ``job`` through the stack's response middlewares, outermost first."""
+    return ctx.chain("response", _generate)(job, ctx)
