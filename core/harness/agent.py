@@ -36,8 +36,10 @@ from ..plugin_manager import PluginCatalog
 from ..runtime import StackRuntime
 from ..stack import StackLoader
 from ..tools import ToolSet
+from .compaction import TokenCounter, compact, estimate_tokens
 from .events import (
     AgentEvent,
+    Compacted,
     FinalAnswer,
     ModelCalled,
     ToolCalled,
@@ -190,6 +192,11 @@ class Agent:
         items: a previous conversation (``AgentResult.items``) to continue.
         session: the session plugins key their state on (default: a new one).
         on_text_delta: receives the model's output text as it streams (the client streams).
+        context_window: the model's context window in tokens; None never compacts.
+        compact_at: compact when a request (plus ``max_output_tokens``) would pass this
+            fraction of the window; compaction goes down to ``compact_target``.
+        keep_recent_turns: the newest turns compaction never touches.
+        count_tokens: the tokenizer's count for a text (default: a chars/3 estimate).
     """
 
     def __init__(
@@ -207,9 +214,16 @@ class Agent:
         items: Sequence[dict[str, Any]] | None = None,
         session: Session | None = None,
         on_text_delta: TextCallback | None = None,
+        context_window: int | None = None,
+        compact_at: float = 0.8,
+        compact_target: float = 0.6,
+        keep_recent_turns: int = 2,
+        count_tokens: TokenCounter | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        if not 0 < compact_target <= compact_at <= 1:
+            raise ValueError(f"need 0 < compact_target <= compact_at <= 1, got {compact_target} and {compact_at}")
         ToolSet([t.info for t in tools])  # rejects duplicate names now, not at the first turn
         self.model_client = model_client
         self.tools = list(tools)
@@ -223,6 +237,12 @@ class Agent:
         self.items: list[dict[str, Any]] = list(items or [])
         self.session = session or Session()
         self.on_text_delta = on_text_delta
+        self.context_window = context_window
+        self.compact_at = compact_at
+        self.compact_target = compact_target
+        self.keep_recent_turns = keep_recent_turns
+        self.count_tokens = count_tokens or estimate_tokens
+        self.num_compactions = 0
 
     async def run(self, task: str) -> AgentResult:
         """Run ``task`` to a final answer or the turn limit; see :meth:`stream`."""
@@ -243,6 +263,10 @@ class Agent:
             ctx = self.runtime.context(session=self.session)
             tool_set, tools = self._resolve_tools(ctx)
             request = self._build_request(tool_set, ctx, is_first_turn=turn == 1)
+            compacted = self._compact(request, ctx)
+            if compacted is not None:
+                yield compacted
+                request = self._build_request(tool_set, ctx, is_first_turn=turn == 1)
             started = time.perf_counter()
             response = await self._model_response(request, ctx)
             seconds = time.perf_counter() - started
@@ -289,6 +313,23 @@ class Agent:
             request["tool_choice"] = self.tool_choice_first if is_first_turn else "auto"
         ctx.hooks.prepare_request(request=request, ctx=ctx)
         return request
+
+    def _compact(self, request: dict[str, Any], ctx: RequestContext) -> Compacted | None:
+        if self.context_window is None:
+            return None
+        fixed = self.count_tokens(request.get("instructions") or "") + self.max_output_tokens
+        fixed += self.count_tokens(json.dumps(request.get("tools") or [], ensure_ascii=False))
+        items_tokens = sum(self.count_tokens(json.dumps(item, ensure_ascii=False)) for item in self.items)
+        if fixed + items_tokens <= self.compact_at * self.context_window:
+            return None
+        result = compact(self.items, fixed_tokens=fixed, budget=int(self.compact_target * self.context_window),
+                         keep_recent_turns=self.keep_recent_turns, count_tokens=self.count_tokens)
+        if not result.changed:
+            return None
+        self.items = result.items
+        self.num_compactions += 1
+        ctx.count("loopstack_harness_compactions_total", help="explicit history compactions (context window)")
+        return Compacted(result.num_dropped, result.tokens_before, result.tokens_after, result.num_elided)
 
     async def _model_response(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
         state = ctx.state(_HARNESS_STATE, _TurnState)

@@ -72,11 +72,13 @@ class ToolCalled:
 
 @dataclass(frozen=True)
 class Compacted:
-    """Older items were dropped or summarized to fit the context window."""
+    """Older items were dropped or elided to fit the context window (see
+    :mod:`loopstack.harness.compaction`); the only way the agent rewrites history."""
 
     num_items_dropped: int
     tokens_before: int
     tokens_after: int
+    num_outputs_elided: int = 0
 
 
 @dataclass(frozen=True)

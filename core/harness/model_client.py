@@ -32,6 +32,7 @@ __all__ = [
     "ResponsesHTTPStatistics",
     "TextCallback",
     "last_request_bytes",
+    "record_request_bytes",
     "serialize_request",
 ]
 
@@ -88,8 +89,13 @@ def serialize_request(request: dict[str, Any], ctx: RequestContext) -> bytes:
     body = ctx.hooks.serialize_request(request=request, ctx=ctx)
     if body is None:
         body = json.dumps(request, separators=(",", ":"), ensure_ascii=False).encode()
-    ctx.state(_RECORD, _CallRecord).request_bytes = len(body)
+    record_request_bytes(ctx, len(body))
     return body
+
+
+def record_request_bytes(ctx: RequestContext, size: int) -> None:
+    """Record the size of the body a client sent (for clients that send another shape)."""
+    ctx.state(_RECORD, _CallRecord).request_bytes = size
 
 
 def last_request_bytes(ctx: RequestContext) -> int | None:
