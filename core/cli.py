@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .cli_agent import add_parsers as add_agent_parsers
 from .plugin_manager import PluginCatalog, PluginLoadError
 from .stack import StackLoader, list_stacks
 from .stack_errors import StackError
 
-EPILOG = "Docs: docs/architecture.md, docs/stacks.md, docs/writing-plugins.md."
+EPILOG = "Docs: docs/architecture.md, docs/stacks.md, docs/writing-plugins.md, docs/harness.md."
 
 
 def _catalog() -> PluginCatalog:
@@ -215,8 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (default: the stack's api.port; 0 picks a free one)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("demo", help="the main job: run what exists end to end on the embedded model")
+    p = sub.add_parser("demo", help="the main job: an agent session through all three layers on the embedded model")
     p.set_defaults(func=cmd_demo)
+
+    add_agent_parsers(sub)
     return parser
 
 

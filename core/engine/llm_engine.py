@@ -21,7 +21,7 @@ from .model import CausalLM
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, StopChecker
 from .tokenizer import Tokenizer
 
@@ -108,6 +108,8 @@ class LLMEngine:
         self._eos = set(tokenizer.eos_token_ids)
         self.quantization = "none"  # set by the factory when it quantizes the model
         self.num_steps = 0
+        self.busy_s = 0.0  # wall time inside step(): forward passes and sampling
+        self.num_computed_tokens = 0
 
     @property
     def grammar_backend(self) -> GrammarBackend:
@@ -180,8 +182,17 @@ class LLMEngine:
         chunks = [c for c in chunks if not c.seq.is_finished]
         if not chunks:
             return outputs
+        started = time.perf_counter()
+        try:
+            return outputs + self._run(chunks)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         logits = self.runner.execute(chunks)
         self.num_steps += 1
+        self.num_computed_tokens += sum(c.end - c.start for c in chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.token_ids[: chunk.end])
@@ -260,4 +271,6 @@ class LLMEngine:
             "blocks": self.block_manager.statistics()._asdict(),
             "scheduler": self.scheduler.statistics().__dict__,
             "steps": self.num_steps,
+            "busy_s": self.busy_s,
+            "computed_tokens": self.num_computed_tokens,
         }
