@@ -39,11 +39,16 @@ class ToolSet:
     """
 
     def __init__(self, tools: list[ToolInfo]) -> None:
-        names = [t.name for t in tools]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        index: dict[str, int] = {}
+        duplicates: set[str] = set()
+        for position, tool in enumerate(tools):
+            if tool.name in index:
+                duplicates.add(tool.name)
+            index[tool.name] = position
         if duplicates:
-            raise ValueError(f"duplicate tool names: {', '.join(duplicates)}")
+            raise ValueError(f"duplicate tool names: {', '.join(sorted(duplicates))}")
         self._tools = list(tools)
+        self._index = index  # name -> position in _tools (O(1) lookups at registry sizes)
         self._deferred = {t.name for t in tools if t.defer_loading}
         self._hidden: set[str] = set()
 
@@ -57,8 +62,9 @@ class ToolSet:
         return [t.name for t in self._tools]
 
     def _require(self, name: str) -> None:
-        if name not in self.names():
-            raise KeyError(f"unknown tool {name!r}; known tools: {', '.join(self.names()) or '(none)'}")
+        if name not in self._index:
+            known = ", ".join(self.names()[:50]) + (" ..." if len(self._tools) > 50 else "")
+            raise KeyError(f"unknown tool {name!r}; known tools: {known or '(none)'}")
 
     def defer(self, name: str) -> None:
         """Keep ``name`` out of the up-front list; it stays reachable through search."""
@@ -81,12 +87,13 @@ class ToolSet:
         self._require(name)
         if "name" in changes and changes["name"] != name:
             raise ValueError(f"tool {name!r}: update() cannot rename a tool")
-        self._tools = [replace(t, **changes) if t.name == name else t for t in self._tools]
+        position = self._index[name]
+        self._tools[position] = replace(self._tools[position], **changes)
 
     def get(self, name: str) -> ToolInfo:
         """The :class:`ToolInfo` of ``name`` (``KeyError`` names the known tools)."""
         self._require(name)
-        return next(t for t in self._tools if t.name == name)
+        return self._tools[self._index[name]]
 
     def is_hidden(self, name: str) -> bool:
         return name in self._hidden
@@ -97,6 +104,7 @@ class ToolSet:
     def pin_order(self, key: Callable[[ToolInfo], Any]) -> None:
         """Sort the tools by ``key`` (stable), for a byte-stable request prefix."""
         self._tools.sort(key=key)
+        self._index = {t.name: position for position, t in enumerate(self._tools)}
 
     def visible(self) -> list[ToolInfo]:
         return [t for t in self._tools if t.name not in self._hidden and t.name not in self._deferred]

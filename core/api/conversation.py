@@ -3,7 +3,10 @@
 Two steps, both deterministic and append-only (prefix caching depends on it):
 
 1. :func:`items_to_messages` turns ``instructions`` and the input items (``message``,
-   ``function_call``, ``function_call_output``) into Hugging Face style chat messages.
+   ``function_call``, ``function_call_output``, ``tool_search_output``) into Hugging Face
+   style chat messages. A ``tool_search_output`` is the result of a tool search: the tools it
+   loaded come with it, at the end of the conversation, so the cached prefix stays valid;
+   :func:`loaded_tools` lists them (calls to them are accepted like calls to ``tools``).
 2. :func:`render_prompt` renders them with the model's chat template. A template that reads
    ``tools`` gets the tools natively; any other one gets a Hermes-style block in the system
    turn, tool calls written as ``<tool_call>`` JSON blocks and tool results as
@@ -33,12 +36,13 @@ __all__ = [
     "format_tool_call",
     "hermes_tools_block",
     "items_to_messages",
+    "loaded_tools",
     "normalize_tools",
     "render_prompt",
     "template_supports_tools",
 ]
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "tool_search_output")
 MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
@@ -156,9 +160,44 @@ def items_to_messages(instructions: str | None, items: str | Sequence[Mapping[st
             if output is not None and not isinstance(output, (str, list)):
                 output = json.dumps(output, ensure_ascii=False)
             messages.append(_tool_message(where, messages, item.get("call_id"), output))
+        elif kind == "tool_search_output":
+            messages.append(_tool_message(where, messages, item.get("call_id"), _search_output_text(where, item)))
         else:
             raise ConversationError(f"{where}: unknown item type {kind!r}; allowed: {', '.join(ITEM_TYPES)}")
     return messages
+
+
+def loaded_tools(items: str | Sequence[Mapping[str, Any]]) -> list[FunctionTool]:
+    """The tools that ``tool_search_output`` items in ``items`` loaded, first load of a name wins.
+
+    Raises:
+        InvalidToolError: a loaded tool is not a usable function tool.
+    """
+    if isinstance(items, str):
+        return []
+    found: dict[str, FunctionTool] = {}
+    for item in items:
+        if isinstance(item, Mapping) and item.get("type") == "tool_search_output":
+            for tool in normalize_tools(item.get("tools") or ()):
+                found.setdefault(tool.name, tool)
+    return list(found.values())
+
+
+def _search_output_text(where: str, item: Mapping[str, Any]) -> str:
+    # the search's text, then the loaded schemas as the system block writes tools (one JSON
+    # line each), so the model reads them the way it reads the up-front tools
+    output = item.get("output")
+    if output is None:
+        raise ConversationError(f"{where}: a tool_search_output needs 'output'")
+    text = _content_text(where, output if isinstance(output, (str, list)) else json.dumps(output, ensure_ascii=False))
+    try:
+        tools = normalize_tools(item.get("tools") or ())
+    except InvalidToolError as exc:
+        raise ConversationError(f"{where}.{exc}") from None
+    if not tools:
+        return text
+    lines = "\n".join(json.dumps(t.to_chat_dict(), ensure_ascii=False) for t in tools)
+    return f"{text}\n<tools>\n{lines}\n</tools>"
 
 
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -10,20 +10,23 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 from ..engine import InvalidGrammarError, PromptTooLongError, SamplingParams
 from ..engine.sequence import FinishReason
 from .auth import Principal, tenant_salt
-from .conversation import ConversationError, items_to_messages, normalize_tools, render_prompt
+from .conversation import ConversationError, items_to_messages, loaded_tools, normalize_tools, render_prompt
 from .errors import APIError
 from .ids import new_id
 from .response_builder import ResponseBuilder, usage_of
 from .schemas import ResponsesRequest
 from .store import ResponseStore, StoredResponse, StoreError
 from .tool_calls import TextFormatError, ToolCallStreamParser, ToolChoiceError, response_grammar
+
+if TYPE_CHECKING:
+    from .chain_prompt import ChainPrompts
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
@@ -40,7 +43,7 @@ class EngineClient(Protocol):
 
 def generation_inputs(
     engine: EngineClient,
-    prompt: str,
+    prompt: str | list[int],
     tools: list[Any],
     *,
     tool_choice: Any,
@@ -54,14 +57,17 @@ def generation_inputs(
     seed: int | None,
     stop: tuple[str, ...] = (),
 ) -> tuple[list[int], SamplingParams]:
-    """Prompt ids and sampling settings shared by both APIs; raises APIError naming the field."""
+    """Prompt ids and sampling settings shared by both APIs; raises APIError naming the field.
+
+    ``prompt`` is the rendered text, or its token ids when the caller has them already.
+    """
     try:
         grammar = response_grammar(tools, tool_choice, parallel_tool_calls, text_format)
     except ToolChoiceError as exc:
         raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
     except TextFormatError as exc:
         raise APIError(str(exc), param=format_param, code="invalid_value") from None
-    prompt_ids = engine.tokenizer.encode(prompt)
+    prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     room = engine.max_model_len - len(prompt_ids)
     if room < 1:
         raise APIError(f"The {input_param} is {len(prompt_ids)} tokens; this model's context window is "
@@ -121,26 +127,34 @@ class ResponsesService:
         return items
 
     def prepare(self, request: ResponsesRequest, principal: Principal,
-                local: MutableMapping[str, StoredResponse] | None = None) -> Prepared:
+                local: MutableMapping[str, StoredResponse] | None = None, *,
+                prompts: ChainPrompts | None = None) -> Prepared:
+        """Validate ``request`` and make its prompt ids; ``prompts`` (the chain token state, when a
+        plugin keeps one) may supply them from a cached chain instead of rendering the history."""
         new_items = request.input_items()
-        items = self.history(request, principal, local) + new_items
+        chained = prompts.prompt_ids(self, request, principal, local) if prompts is not None else None
+        # chained: the conversation is not rendered again; items keeps what loaded tools
+        items = self.history(request, principal, local) + new_items if chained is None else chained.tool_items
         try:
             tools = normalize_tools(request.tools)
-            messages = items_to_messages(request.instructions, items)
-            prompt = render_prompt(self.engine.tokenizer, messages, tools)
+            # tools a tool search loaded are callable (grammar, parser) but not rendered up front
+            listed = {t.name for t in tools}
+            callable_tools = tools + [t for t in loaded_tools(items or new_items) if t.name not in listed]
+            prompt: str | list[int] = chained.prompt_ids if chained is not None else render_prompt(
+                self.engine.tokenizer, items_to_messages(request.instructions, items), tools)
         except ConversationError as exc:
             raise APIError(str(exc), param="input", code="invalid_input") from None
         except (ValueError, TypeError) as exc:
             raise APIError(f"invalid tools: {exc}", param="tools", code="invalid_value") from None
         prompt_ids, params = generation_inputs(
-            self.engine, prompt, tools, tool_choice=request.tool_choice,
+            self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             text_format=request.text.format if request.text else None, format_param="text.format",
             input_param="input", max_tokens=request.max_output_tokens, temperature=request.temperature,
             top_p=request.top_p, seed=request.seed,
         )
         return Prepared(request, principal, new_id("resp"), new_items, prompt_ids, params,
-                        {t.name for t in tools})
+                        {t.name for t in callable_tools})
 
     def echo(self, request: ResponsesRequest) -> dict[str, Any]:
         text = request.text.model_dump(exclude_none=True) if request.text else {"format": {"type": "text"}}

@@ -1,28 +1,31 @@
-"""Code Mode: one JavaScript program over the tools, run in embedded V8.
+"""Code Mode: one JavaScript program over the tools, run in embedded V8 (DESIGN.md technique 2).
 
-Not implemented yet (issue 7): the config is declared so stacks can set it today.
+The model calls ``exec`` with a program; every callable tool of the request is an async
+function ``tools.<name>(args)`` inside it, and only the program's (capped) result and
+console output enter the context. See docs/techniques/code-mode.md.
+
+Modules: ``config`` (the TOML table), ``declarations`` (JSON Schema -> TypeScript),
+``prelude`` (the JavaScript glue), ``sandbox`` (the V8 runner), ``gate`` (concurrency of
+tool calls), ``result`` (what enters the context), ``exec_tool``, ``plugin``, ``bench``
+(the ``code-mode`` workload).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any
 
-from pydantic import Field
+from loopstack.markers import hookimpl
 
-from loopstack.plugin import Layer, Plugin, PluginConfig
+from .config import CodeModeConfig
+from .plugin import CodeMode
 
+__all__ = ["PLUGIN", "CodeMode", "CodeModeConfig"]
 
-class CodeModeConfig(PluginConfig):
-    timeout_s: float = Field(10.0, gt=0, description="wall-clock limit of one program")
-    heap_mb: int = Field(64, ge=8, description="V8 heap limit")
-    max_result_bytes: int = Field(16_384, ge=256, description="cap on the result that enters the context")
-    code_mode_only: bool = Field(False, description="exec (and tool_search) are the only tools the model sees")
-    context: Literal["exec", "session"] = Field("exec", description="a fresh V8 context per exec, or one per session")
+PLUGIN = CodeMode
 
 
-class CodeMode(Plugin):
-    name = "code_mode"
-    layers = (Layer.HARNESS,)
-    Config = CodeModeConfig
-    summary = "An exec tool: the model writes one JavaScript program over the tools, run in V8."
-    implemented = False
+@hookimpl
+def loopstack_bench_workloads() -> list[Any]:
+    from .bench import CodeModeWorkload
+
+    return [CodeModeWorkload()]

@@ -1,28 +1,28 @@
 """Deferred tool discovery: a BM25 ``tool_search`` tool instead of every schema up front.
 
-Not implemented yet (issue 6): the config is declared so stacks can set it today.
+DESIGN.md technique 1; docs/techniques/tool-search.md. The plugin class lives in
+:mod:`.plugin`; this module is what the plugin catalog and the bench registry load.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from pydantic import Field
+from loopstack.markers import hookimpl
 
-from loopstack.plugin import Layer, Plugin, PluginConfig
+from .plugin import ToolSearch, ToolSearchConfig
+from .search import search_tools
+
+if TYPE_CHECKING:
+    from loopstack.bench.workload import Workload
+
+__all__ = ["PLUGIN", "ToolSearch", "ToolSearchConfig", "search_tools"]
+
+PLUGIN = ToolSearch
 
 
-class ToolSearchConfig(PluginConfig):
-    top_k: int = Field(5, ge=1, le=50, description="schemas returned per search")
-    defer: Literal["mcp", "all", "marked"] = Field(
-        "mcp", description="which tools are deferred: all MCP tools, every tool, or only those marked defer_loading"
-    )
-    always_loaded: list[str] = Field(default_factory=list, description="tool names never deferred")
+@hookimpl
+def loopstack_bench_workloads() -> list[Workload]:
+    from .bench import ToolSearchWorkload
 
-
-class ToolSearch(Plugin):
-    name = "tool_search"
-    layers = (Layer.HARNESS,)
-    Config = ToolSearchConfig
-    summary = "Defer tool schemas behind a BM25 tool_search tool; discovered schemas are appended."
-    implemented = False
+    return [ToolSearchWorkload()]

@@ -1,0 +1,96 @@
+"""The deferred tools of a stack, indexed once and kept in step with their servers.
+
+A :class:`CatalogIndex` is shared by every session whose deferred tools come from the same
+namespaces. Each request hands it the current :class:`ToolInfo` list; unchanged tools (the
+same objects, or equal ones) cost an identity check, and only tools that an MCP server
+added, changed or dropped touch the index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from loopstack.tools import ToolInfo
+
+from .docs import doc_from_info
+from .index import FieldWeights, Hit, ToolIndex
+from .namespaces import search_tool_description
+
+__all__ = ["CatalogCache", "CatalogIndex", "SyncResult"]
+
+
+class SyncResult(NamedTuple):
+    num_added: int
+    num_changed: int
+    num_removed: int
+    seconds: float
+
+
+class CatalogIndex:
+    """A :class:`ToolIndex` over a changing list of tools, plus the search tool's description."""
+
+    def __init__(self, weights: FieldWeights | None = None, *, k1: float = 1.2, b: float = 0.75,
+                 max_hinted_namespaces: int = 32) -> None:
+        self.index = ToolIndex(weights, k1=k1, b=b)
+        self.max_hinted_namespaces = max_hinted_namespaces
+        self.infos: dict[str, ToolInfo] = {}
+        self.num_syncs = 0
+        self._description: tuple[tuple[ToolInfo, ...], str] | None = None
+
+    def sync(self, infos: Sequence[ToolInfo]) -> SyncResult:
+        """Make the index hold exactly ``infos`` (keyed by name), touching only what changed."""
+        started = time.perf_counter()
+        current = {info.name: info for info in infos}
+        added = changed = 0
+        for name, info in current.items():
+            old = self.infos.get(name)
+            if old is info or old == info:
+                continue
+            self.index.upsert(doc_from_info(info))
+            added, changed = (added + 1, changed) if old is None else (added, changed + 1)
+        removed = [name for name in self.infos if name not in current]
+        for name in removed:
+            self.index.remove(name)
+        self.infos = current
+        if added or changed or removed:
+            self.num_syncs += 1
+        return SyncResult(added, changed, len(removed), time.perf_counter() - started)
+
+    def search(self, query: str, limit: int) -> list[Hit]:
+        return self.index.search(query, limit)
+
+    def description(self, infos: Sequence[ToolInfo]) -> str:
+        """``tool_search``'s description for ``infos``, recomputed only when they change
+        (it is sent every turn and must be byte-identical while the tools are)."""
+        key = tuple(infos)
+        cached = self._description
+        if cached is None or len(cached[0]) != len(key) or any(a is not b and a != b for a, b in zip(cached[0], key)):
+            self._description = (key, search_tool_description(infos, max_hinted=self.max_hinted_namespaces))
+        assert self._description is not None
+        return self._description[1]
+
+
+class CatalogCache:
+    """Least-recently-used :class:`CatalogIndex` per set of namespaces (one per agent setup)."""
+
+    def __init__(self, *, max_entries: int = 8, **options: object) -> None:
+        self._entries: OrderedDict[frozenset[str], CatalogIndex] = OrderedDict()
+        self._options = options
+        self.max_entries = max_entries
+
+    def get(self, infos: Sequence[ToolInfo]) -> CatalogIndex:
+        key = frozenset(info.namespace for info in infos)
+        catalog = self._entries.get(key)
+        if catalog is None:
+            catalog = CatalogIndex(**self._options)  # type: ignore[arg-type]
+            self._entries[key] = catalog
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return catalog
+
+    def __len__(self) -> int:
+        return len(self._entries)

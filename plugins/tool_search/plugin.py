@@ -1,0 +1,150 @@
+"""The ``tool_search`` plugin: defer tool schemas behind one BM25 search tool."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Literal
+
+from loopstack.context import RequestContext
+from loopstack.harness.tool import ToolResult
+from loopstack.markers import hookimpl
+from loopstack.plugin import Layer, Plugin, PluginConfig
+from loopstack.tools import ToolInfo, ToolSet
+from pydantic import Field
+
+from .catalog import CatalogCache
+from .docs import function_tool
+from .index import FieldWeights
+from .schema_tokens import TokenizerUnavailable, schema_tokens
+from .search import SEARCH_TOOL_NAME, ToolSearchTool
+from .state import STATE_KEY, RequestTools, SessionTools
+
+__all__ = ["ToolSearch", "ToolSearchConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class ToolSearchConfig(PluginConfig):
+    top_k: int = Field(5, ge=1, le=50, description="schemas returned per search")
+    defer: Literal["mcp", "all", "marked"] = Field(
+        "mcp", description="which tools are deferred: all MCP tools, every tool, or only those marked defer_loading"
+    )
+    always_loaded: list[str] = Field(default_factory=list, description="tool names never deferred")
+    max_query_chars: int = Field(2000, ge=16, description="longer queries are cut to this many characters")
+    max_hinted_namespaces: int = Field(
+        32, ge=0, description="up to this many namespaces, each line of the description lists its common words"
+    )
+    weight_name: float = Field(3.0, ge=0, description="BM25F weight of the tool name")
+    weight_namespace: float = Field(1.0, ge=0, description="BM25F weight of the namespace")
+    weight_title: float = Field(1.5, ge=0, description="BM25F weight of the tool title, where a catalog has one")
+    weight_description: float = Field(1.0, ge=0, description="BM25F weight of the description")
+    weight_parameters: float = Field(0.5, ge=0, description="BM25F weight of parameter names and descriptions")
+    k1: float = Field(1.2, gt=0, description="BM25 term-frequency saturation")
+    b: float = Field(0.75, ge=0, le=1, description="BM25 length normalization")
+    count_schema_tokens: bool = Field(True, description="record tool-schema tokens per request (SmolLM2 tokenizer)")
+
+
+class ToolSearch(Plugin):
+    """Defer tools (all MCP tools by default) behind a ``tool_search`` tool.
+
+    The up-front tool list keeps only the always-loaded tools and ``tool_search``; a search
+    returns the best matches' schemas as a ``tool_search_output`` item at the end of the
+    conversation, so the cached prefix stays valid. A call to a deferred tool that was never
+    searched for runs and loads its schema the same way.
+    """
+
+    name = "tool_search"
+    layers = (Layer.HARNESS,)
+    Config = ToolSearchConfig
+    summary = "Defer tool schemas behind a BM25 tool_search tool; discovered schemas are appended."
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        self.weights = FieldWeights(name=cfg.weight_name, namespace=cfg.weight_namespace, title=cfg.weight_title,
+                                    description=cfg.weight_description, parameters=cfg.weight_parameters)
+        self.catalogs = CatalogCache(weights=self.weights, k1=cfg.k1, b=cfg.b,
+                                     max_hinted_namespaces=cfg.max_hinted_namespaces)
+        self._tokens_unavailable = False
+
+    # -- which tools are deferred --------------------------------------------------------
+
+    def _should_defer(self, info: ToolInfo) -> bool:
+        if info.name == SEARCH_TOOL_NAME or info.name in self.config.always_loaded:
+            return False
+        if self.config.defer == "all":
+            return True
+        return self.config.defer == "mcp" and bool(info.namespace)
+
+    @hookimpl
+    def loopstack_extra_tools(self, ctx: RequestContext) -> list[Any]:
+        return [ToolSearchTool(ctx, top_k=self.config.top_k, max_query_chars=self.config.max_query_chars)]
+
+    @hookimpl
+    def loopstack_visible_tools(self, tools: ToolSet, ctx: RequestContext) -> None:
+        for info in list(tools):
+            if info.name in self.config.always_loaded:
+                tools.load(info.name)
+            elif self._should_defer(info) and not tools.is_deferred(info.name):
+                tools.defer(info.name)
+        deferred = [info for info in tools.deferred() if info.name != SEARCH_TOOL_NAME]
+        state = ctx.state(STATE_KEY, RequestTools)
+        state.deferred = {info.name: info for info in deferred}
+        if SEARCH_TOOL_NAME not in tools.names():
+            return
+        if not deferred:
+            tools.hide(SEARCH_TOOL_NAME)  # nothing to find: do not spend tokens on it
+            return
+        state.catalog = self.catalogs.get(deferred)
+        tools.load(SEARCH_TOOL_NAME)
+        tools.update(SEARCH_TOOL_NAME, description=state.catalog.description(deferred))
+
+    # -- bookkeeping and metrics ---------------------------------------------------------
+
+    @hookimpl
+    def loopstack_prepare_request(self, request: dict[str, Any], ctx: RequestContext) -> None:
+        session = ctx.session.state(STATE_KEY, SessionTools)
+        if session.num_requests == 0:
+            ctx.count("tool_search_sessions_total", help="sessions that made a request with tool_search on")
+        session.num_requests += 1
+        # a resumed conversation (new session object, old items) keeps what it loaded
+        for item in request.get("input") or ():
+            if isinstance(item, dict) and item.get("type") == "tool_search_output":
+                for tool in item.get("tools") or ():
+                    if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                        session.loaded.setdefault(tool["name"], tool)
+        self._observe_schema_tokens(request, ctx)
+
+    def _observe_schema_tokens(self, request: dict[str, Any], ctx: RequestContext) -> None:
+        if not self.config.count_schema_tokens or self._tokens_unavailable:
+            return
+        try:
+            tokens = schema_tokens(request.get("tools") or ())
+        except TokenizerUnavailable as error:
+            self._tokens_unavailable = True
+            log.warning("tool_search: not counting schema tokens: %s", error)
+            return
+        ctx.observe("tool_search_schema_tokens", tokens, help="tool-schema tokens sent up front per request")
+
+    # -- a deferred tool called without a search ------------------------------------------
+
+    @hookimpl
+    def loopstack_tool_middleware(self, runtime: Any) -> Any:
+        def wrap(next_handler: Any) -> Any:
+            async def handler(call: Any, ctx: RequestContext) -> ToolResult:
+                result: ToolResult = await next_handler(call, ctx)
+                info = ctx.state(STATE_KEY, RequestTools).deferred.get(call.name)
+                session = ctx.session.state(STATE_KEY, SessionTools)
+                if info is None or result.loaded_tools or call.name in session.loaded:
+                    return result
+                # the model knew the name without searching: run it, and load its schema so
+                # the next call (and the server's parser) knows it
+                session.loaded[call.name] = function_tool(info)
+                ctx.count("tool_search_loaded_tools_total", help="tools loaded into a conversation")
+                ctx.count("tool_search_direct_loads_total", help="deferred tools called by name without a search")
+                return replace(result, loaded_tools=(session.loaded[call.name],))
+
+            return handler
+
+        return wrap

@@ -1,0 +1,63 @@
+"""Retrieval quality: capped recall@k and binary nDCG@k of an index over a query set."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from .datasets import Query, RetrievalSet
+from .index import FIELDS, FieldWeights, ToolIndex
+from .terms import terms
+
+__all__ = ["RetrievalScores", "build_index", "evaluate", "lexical_overlap", "ndcg_at", "recall_at"]
+
+
+class RetrievalScores(NamedTuple):
+    recall_at_1: float
+    recall_at_5: float
+    ndcg_at_10: float
+    num_queries: int
+    num_tools: int
+
+
+def recall_at(ranked: Sequence[str], gold: frozenset[str], k: int) -> float:
+    """Share of the gold tools in the top ``k``, out of ``min(k, len(gold))`` (capped recall:
+    a two-tool query scores 1.0 at k=1 when its one slot holds a gold tool)."""
+    return len(gold.intersection(ranked[:k])) / min(k, len(gold))
+
+
+def ndcg_at(ranked: Sequence[str], gold: frozenset[str], k: int) -> float:
+    """Binary-relevance nDCG@k."""
+    dcg = sum(1.0 / math.log2(rank + 2) for rank, key in enumerate(ranked[:k]) if key in gold)
+    ideal = sum(1.0 / math.log2(rank + 2) for rank in range(min(k, len(gold))))
+    return dcg / ideal
+
+
+def build_index(dataset: RetrievalSet, weights: FieldWeights | None = None, *, k1: float = 1.2,
+                b: float = 0.75) -> ToolIndex:
+    index = ToolIndex(weights, k1=k1, b=b)
+    for doc in dataset.docs:
+        index.upsert(doc)
+    return index
+
+
+def evaluate(index: ToolIndex, queries: Sequence[Query],
+             progress: Callable[[Sequence[Query]], Sequence[Query]] = lambda q: q) -> RetrievalScores:
+    """Mean recall@1, recall@5 and nDCG@10 of ``index`` over ``queries``."""
+    r1 = r5 = n10 = 0.0
+    for query in progress(queries):
+        ranked = [hit.key for hit in index.search(query.text, 10)]
+        r1 += recall_at(ranked, query.gold, 1)
+        r5 += recall_at(ranked, query.gold, 5)
+        n10 += ndcg_at(ranked, query.gold, 10)
+    n = max(len(queries), 1)
+    return RetrievalScores(r1 / n, r5 / n, n10 / n, len(queries), len(index))
+
+
+def lexical_overlap(dataset: RetrievalSet) -> float:
+    """Share of queries that share at least one search term with one of their gold tools'
+    texts: an upper bound on recall@k of any retriever that matches terms, BM25 included."""
+    texts = {doc.key: set(terms(" ".join(doc.field_text(f) for f in FIELDS))) for doc in dataset.docs}
+    hits = sum(1 for q in dataset.queries if any(texts[key] & set(terms(q.text)) for key in q.gold))
+    return hits / max(len(dataset.queries), 1)

@@ -1,0 +1,65 @@
+"""The tool-search bench: its data sets load as published, and a quick run reports every
+metric the issue names, side by side (plugin off, plugin on)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from kernel_support import REPO, SHARED_DATA
+from loopstack import PluginCatalog, StackLoader
+from loopstack.bench.registry import workloads
+from loopstack.bench.runner import run_bench
+from loopstack.bench.workload import BenchOptions
+from loopstack.plugins.tool_search.bench import ToolSearchWorkload
+from loopstack.plugins.tool_search.datasets import (
+    CATALOGS,
+    RETRIEVAL_SETS,
+    load_catalog,
+    load_retrieval_set,
+)
+
+pytestmark = [
+    pytest.mark.needs_data,
+    pytest.mark.skipif(not (SHARED_DATA / "metatool").is_dir(), reason=f"needs ../shared/data ({SHARED_DATA} is absent)"),
+]
+
+SETS = ("metatool", "metatool_multi", "bfcl_multiple", "bfcl_live_multiple", "gorilla_hf", "gorilla_tf", "gorilla_torch")
+
+
+def test_data_sets_load_as_published():
+    sizes = {name: load_retrieval_set(name, SHARED_DATA) for name in RETRIEVAL_SETS}
+    assert tuple(sizes) == SETS
+    assert (len(sizes["metatool"].docs), len(sizes["metatool"].queries)) == (199, 20614)
+    assert (len(sizes["metatool_multi"].docs), len(sizes["metatool_multi"].queries)) == (47, 497)
+    assert len(sizes["bfcl_multiple"].queries) == 200 and len(sizes["bfcl_live_multiple"].queries) == 1053
+    for dataset in sizes.values():  # every gold tool is in the searched catalog
+        keys = {doc.key for doc in dataset.docs}
+        assert all(query.gold <= keys and query.text for query in dataset.queries), dataset.name
+    catalogs = {name: load_catalog(name, SHARED_DATA) for name in CATALOGS}
+    assert {name: len(infos) for name, infos in catalogs.items()} == {
+        "github_mcp": 117, "docker_registry": 4938, "metatool": 199}
+    assert len({info.namespace for info in catalogs["docker_registry"]}) == 240
+
+
+def test_the_workload_is_registered():
+    assert isinstance(workloads(PluginCatalog.discover())["tool-search"], ToolSearchWorkload)
+
+
+@pytest.mark.slow
+def test_a_quick_run_reports_every_metric_off_and_on():
+    loader = StackLoader(PluginCatalog.discover())
+    stacks = [loader.load("baseline"), loader.load(REPO / "plugins" / "tool_search" / "stacks" / "tool-search.toml")]
+    result = anyio.run(lambda: run_bench(ToolSearchWorkload(), stacks, BenchOptions(quick=True), progress=False))
+    off, on = result.columns
+    for name in SETS:
+        for metric in (f"recall@1.{name}", f"recall@5.{name}", f"ndcg@10.{name}"):
+            assert 0.0 < result.metrics[metric][on] <= 1.0 and off not in result.metrics[metric]
+        assert result.metrics[f"recall@5.{name}"][on] >= result.metrics[f"recall@1.{name}"][on]
+    assert result.metrics["recall@5.bfcl_multiple"][on] > 0.8
+    for catalog, fewer in (("github_mcp", 20), ("docker_registry", 200), ("metatool", 20)):
+        tokens = result.metrics[f"schema_tokens.{catalog}"]
+        assert tokens[off] / tokens[on] >= fewer, catalog
+    p50, p99 = (result.metrics[f"search_ms_{p}.docker_registry"][on] for p in ("p50", "p99"))
+    assert 0 < p50 <= p99
+    assert result.metrics["index_build_s.docker_registry"][on] > 0
+    assert result.config["tool_search"]["tool-search"]["top_k"] == 5
