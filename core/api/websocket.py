@@ -3,7 +3,10 @@
 The client sends ``{"type": "response.create", ...request fields...}`` (the fields may
 also sit under ``"response"``) and receives the same events as over SSE, as JSON text
 messages. Responses run one after another; ``previous_response_id`` chains them, and
-with ``store: false`` a chain lives on this connection only. A malformed message gets an
+with ``store: false`` a chain lives on this connection only. ``{"type": "response.append",
+"previous_response_id": ..., "input": [...]}`` continues a chain with only the new items
+(:mod:`.ws_append`); where a plugin keeps the chains' token state (``ws_deltas``), such a
+request tokenizes only those items (:mod:`.chain_prompt`). A malformed message gets an
 ``error`` event and the connection stays usable; binary frames close it with 1003.
 """
 
@@ -17,13 +20,17 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..context import Session
-from .auth import AuthError
+from .auth import AuthError, Principal
+from .chain_prompt import chain_prompts, record_ws_call
 from .errors import APIError, from_validation_error
 from .http_responses import TERMINAL, observe
+from .ids import new_id
 from .response_chain import ResponseJob, run_response
 from .schemas import ResponsesRequest
+from .service import ResponsesService
 from .state import ServerState
 from .store import StoredResponse
+from .ws_append import append_request_fields
 
 UNSUPPORTED_DATA = 1003
 POLICY_VIOLATION = 1008
@@ -33,11 +40,15 @@ def _error_event(exc: APIError) -> dict[str, Any]:
     return {"type": "error", "status": exc.status, **exc.body()}
 
 
-def _parse(message: dict[str, Any]) -> ResponsesRequest:
-    if message.get("type") != "response.create":
-        raise APIError(f"unknown message type {message.get('type')!r}; expected 'response.create'", param="type",
-                       code="invalid_message")
-    fields = message.get("response", {k: v for k, v in message.items() if k != "type"})
+def _parse(message: dict[str, Any], service: ResponsesService, principal: Principal,
+           local: dict[str, StoredResponse]) -> ResponsesRequest:
+    if message.get("type") == "response.append":
+        fields = append_request_fields(message, service, principal, local)
+    elif message.get("type") == "response.create":
+        fields = message.get("response", {k: v for k, v in message.items() if k != "type"})
+    else:
+        raise APIError(f"unknown message type {message.get('type')!r}; expected 'response.create' or "
+                       "'response.append'", param="type", code="invalid_message")
     if not isinstance(fields, dict):
         raise APIError("'response' must be an object", param="response", code="invalid_message")
     try:
@@ -73,17 +84,25 @@ async def responses_websocket(websocket: WebSocket) -> None:
                     raise APIError(f"message is not valid JSON: {exc}", code="invalid_json") from None
                 if not isinstance(message, dict):
                     raise APIError("message must be a JSON object", code="invalid_json")
-                request = _parse(message)
-                prepared = state.service.prepare(request, principal, local)
+                request = _parse(message, state.service, principal, local)
             except APIError as exc:
                 await websocket.send_text(json.dumps(_error_event(exc)))
                 continue
-            session = Session(id=request.prompt_cache_key or prepared.response_id, tenant=principal.tenant)
+            session = Session(id=request.prompt_cache_key or new_id("sess"), tenant=principal.tenant)
             started = time.perf_counter()
             with state.live.request(session=session) as ctx:
+                try:  # the context first: whether the chain token state serves it depends on the arms
+                    prepared = state.service.prepare(request, principal, local, prompts=chain_prompts(ctx))
+                except APIError as exc:
+                    await websocket.send_text(json.dumps(_error_event(exc)))
+                    continue
+                num_sent = 0
                 async for event in run_response(ResponseJob(state.service, prepared, local), ctx):
                     if event["type"] in TERMINAL:
                         observe(ctx, event["response"], time.perf_counter() - started)
-                    await websocket.send_text(json.dumps(event, separators=(",", ":")))
+                    payload = json.dumps(event, separators=(",", ":"))
+                    num_sent += len(payload)  # ASCII: json.dumps escapes the rest
+                    await websocket.send_text(payload)
+                record_ws_call(ctx, prepared, bytes_received=len(text), bytes_sent=num_sent)
     except WebSocketDisconnect:
         return

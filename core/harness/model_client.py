@@ -4,6 +4,12 @@
 with ``create``). ``ResponsesHTTPClient`` posts to any Responses API server — loopstack's
 own ``loopstack serve`` or an OpenAI-compatible one — over one keep-alive connection pool.
 
+Transport seam: before each call the Responses clients ask the stack's
+``loopstack_client_transport`` hook for a :class:`ClientTransport` for the session (the
+``ws_deltas`` plugin answers with its per-session WebSocket). A transport gets the
+client's :class:`ServerEndpoint` and the client's own send path as ``fallback``; with no
+transport (the default, or the plugin's arm "off") the client sends as usual.
+
 Example::
 
     client = ResponsesHTTPClient("http://127.0.0.1:8321/v1")
@@ -16,7 +22,8 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
 
@@ -26,12 +33,16 @@ if TYPE_CHECKING:
     from ..context import RequestContext
 
 __all__ = [
+    "ClientTransport",
     "ModelClient",
     "ModelClientError",
     "ResponsesHTTPClient",
     "ResponsesHTTPStatistics",
+    "ServerEndpoint",
     "TextCallback",
+    "dispatch",
     "last_request_bytes",
+    "observe_call_bytes",
     "record_request_bytes",
     "serialize_request",
 ]
@@ -74,6 +85,55 @@ class ModelClientError(Exception):
         self.status = status
         self.message = message
         self.code = code
+
+
+@dataclass(frozen=True)
+class ServerEndpoint:
+    """Where a Responses client sends: what a transport needs to reach the same server.
+
+    Attributes:
+        base_url: the API root, ``http(s)://host:port/v1``.
+        api_key: the bearer key, or None.
+        ssl_context: for ``https`` with a private CA (loopback TLS), or None for the default.
+    """
+
+    base_url: str
+    api_key: str | None = None
+    ssl_context: ssl.SSLContext | None = None
+
+
+SendFull = Callable[..., Awaitable[dict[str, Any]]]  # (request, ctx, on_text_delta) -> response
+
+
+@runtime_checkable
+class ClientTransport(Protocol):
+    """What ``loopstack_client_transport`` returns: another way to send a client's requests."""
+
+    async def create(self, request: dict[str, Any], ctx: RequestContext, *, endpoint: ServerEndpoint,
+                     fallback: SendFull, on_text_delta: TextCallback | None = None) -> dict[str, Any]:
+        """Send ``request`` to ``endpoint`` and return the final response; ``fallback(request,
+        ctx, on_text_delta)`` sends it the client's own way (e.g. when WebSocket is refused)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close what the transport opened (the client calls it from its own ``aclose``)."""
+        ...
+
+
+async def dispatch(client: Any, request: dict[str, Any], ctx: RequestContext, send: SendFull,
+                   on_text_delta: TextCallback | None) -> dict[str, Any]:
+    """Send through the session's transport when a plugin gives one, else with ``send``."""
+    transport = ctx.hooks.client_transport(ctx)
+    if transport is None:
+        return await send(request, ctx, on_text_delta)
+    client._transports[id(transport)] = transport
+    return await transport.create(request, ctx, endpoint=client.endpoint, fallback=send, on_text_delta=on_text_delta)
+
+
+def observe_call_bytes(ctx: RequestContext, sent: int, received: int) -> None:
+    """Per-call client metrics (every arm, every client): bytes of the request and of the answer."""
+    ctx.observe("loopstack_client_request_bytes", sent, help="bytes a model client sent for one call")
+    ctx.observe("loopstack_client_response_bytes", received, help="bytes a model client received for one call")
 
 
 @dataclass
@@ -128,9 +188,13 @@ class ResponsesHTTPClient:
         api_key: sent as ``Authorization: Bearer``; None sends no header.
         timeout_s: per-request timeout; None disables it.
         transport: an httpx transport (tests, or a plugin's), default: the network.
+        ssl_context: verifies ``https`` servers (a private CA, loopback TLS); default: system CAs.
+        keepalive: keep connections open between calls (False: a new connection, and TLS
+            handshake, per call).
 
     One ``httpx.AsyncClient`` per instance keeps connections alive across calls; close it
-    with :meth:`aclose` (or ``async with``).
+    with :meth:`aclose` (or ``async with``). A ``loopstack_client_transport`` plugin (see the
+    module doc) may carry the calls instead.
     """
 
     def __init__(
@@ -140,14 +204,20 @@ class ResponsesHTTPClient:
         *,
         timeout_s: float | None = 120,
         transport: httpx.AsyncBaseTransport | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        keepalive: bool = True,
     ) -> None:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         self.base_url = base_url.rstrip("/")
+        self.endpoint = ServerEndpoint(self.base_url, api_key, ssl_context)
+        limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
+            base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport,
+            verify=ssl_context if ssl_context is not None else True, limits=limits,
         )
+        self._transports: dict[int, Any] = {}  # closed by aclose (a session may outlive its calls)
         self._num_requests = self._num_errors = self._bytes_sent = self._bytes_received = 0
 
     async def create(
@@ -160,11 +230,16 @@ class ResponsesHTTPClient:
                 stream that ended without a final response.
             httpx.HTTPError: the connection failed or timed out.
         """
+        return await dispatch(self, request, ctx, self._send, on_text_delta)
+
+    async def _send(self, request: dict[str, Any], ctx: RequestContext,
+                    on_text_delta: TextCallback | None = None) -> dict[str, Any]:
         if on_text_delta is not None:
             request = {**request, "stream": True}
         body = serialize_request(request, ctx)
         self._num_requests += 1
         self._bytes_sent += len(body)
+        received = self._bytes_received
         try:
             if on_text_delta is None:
                 return await self._post(body)
@@ -172,6 +247,8 @@ class ResponsesHTTPClient:
         except (ModelClientError, httpx.HTTPError):
             self._num_errors += 1
             raise
+        finally:
+            observe_call_bytes(ctx, len(body), self._bytes_received - received)
 
     async def _post(self, body: bytes) -> dict[str, Any]:
         response = await self._http.post("/responses", content=body)
@@ -205,6 +282,10 @@ class ResponsesHTTPClient:
         raise ModelClientError(response.status_code, "the event stream ended without a final response")
 
     async def aclose(self) -> None:
+        """Close the connection pool and every transport that carried this client's calls."""
+        transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            await transport.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> Self:

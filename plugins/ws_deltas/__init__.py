@@ -1,25 +1,36 @@
-"""WebSocket deltas: one connection per session, incremental requests, server-side tokens.
+"""WebSocket deltas: one connection per session, incremental requests, server-side token state.
 
-Not implemented yet (issue 9): the config is declared so stacks can set it today.
+DESIGN.md technique 4; docs/techniques/ws-deltas.md. Modules: ``config`` (the TOML table),
+``delta`` (delta or full: the sans-I/O decision), ``transport`` (the per-session WebSocket
+and its fallbacks, the client half), ``server`` (commits completed outputs to the chain
+token state, the server half; the state itself is :mod:`loopstack.api.chain_prompt`),
+``plugin``, and the ``transport`` bench workload (``bench``, ``scripted_engine``,
+``loopback_tls``).
+
+Example stack table::
+
+    [plugins.ws_deltas]
+    enabled = true
+    first_event_timeout_s = 30
+    max_chains = 4096
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
 
-from loopstack.plugin import Layer, Plugin, PluginConfig
+from loopstack.markers import hookimpl
+
+from .config import WsDeltasConfig
+from .plugin import WsDeltas
+
+__all__ = ["PLUGIN", "WsDeltas", "WsDeltasConfig"]
+
+PLUGIN = WsDeltas
 
 
-class WsDeltasConfig(PluginConfig):
-    ping_interval_s: float | None = Field(20.0, gt=0, description="keepalive ping period; null disables")
-    first_event_timeout_s: float | None = Field(30.0, gt=0, description="limit on the wait for a response's first event")
-    max_connection_age_s: float | None = Field(3600.0, gt=0, description="rotate connections older than this")
-    max_chains: int = Field(1024, ge=1, description="token-state chains the server keeps in memory (LRU)")
+@hookimpl
+def loopstack_bench_workloads() -> list[Any]:
+    from .bench import TransportWorkload
 
-
-class WsDeltas(Plugin):
-    name = "ws_deltas"
-    layers = (Layer.API,)
-    Config = WsDeltasConfig
-    summary = "Send only new items over one WebSocket per session; the server keeps the token ids."
-    implemented = False
+    return [TransportWorkload()]
