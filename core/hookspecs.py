@@ -123,8 +123,9 @@ def loopstack_tool_middleware(runtime: StackRuntime) -> MiddlewareFactory | None
 @hookspec(firstresult=True)
 def loopstack_client_transport(ctx: RequestContext) -> Any | None:
     """Return the transport the harness's Responses client uses for this session (for
-    example a WebSocket with deltas). Stops at first non-None result; the default is
-    stateless HTTP."""
+    example a WebSocket with deltas): a :class:`loopstack.harness.model_client.ClientTransport`
+    (``create(request, ctx, *, endpoint, fallback, on_text_delta)`` and ``aclose()``).
+    Stops at first non-None result; the default is the client's own way (HTTP)."""
 
 
 @hookspec
