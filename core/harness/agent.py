@@ -27,7 +27,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
@@ -53,12 +53,20 @@ from .model_client import (
     last_request_bytes,
     serialize_request,
 )
+from .prefix_detector import check_request as check_prefix
 from .tool import Tool, ToolResult
 
-__all__ = ["Agent", "AgentResult", "ToolCall", "dispatch_tool_call", "turn_tools"]
+__all__ = ["Agent", "AgentResult", "ToolCall", "ToolProvider", "dispatch_tool_call", "turn_tools"]
 
 _FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
 _HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
+
+
+@runtime_checkable
+class ToolProvider(Protocol):
+    """A source of tools listed again each turn (an :class:`~loopstack.harness.mcp_tools.MCPServer`)."""
+
+    async def list_tools(self) -> Sequence[Tool]: ...
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,9 @@ class Agent:
 
     Args:
         model_client: where model calls go (the caller owns and closes it).
-        tools: the tools the model may call (plugins may add more per request).
+        tools: the tools the model may call (plugins may add more per request), and tool
+            providers such as a connected ``MCPServer``: listed again at every turn, so a
+            server's ``tools/list_changed`` reaches the model on the next turn.
         instructions: the system prompt.
         runtime: the stack the loop runs under; None builds the shipped "baseline" stack.
         max_turns: model calls per :meth:`run` before :class:`TurnLimitReached`.
@@ -202,7 +212,7 @@ class Agent:
     def __init__(
         self,
         model_client: ModelClient,
-        tools: Sequence[Tool],
+        tools: Sequence[Tool | ToolProvider],
         *,
         instructions: str,
         runtime: StackRuntime | None = None,
@@ -224,9 +234,10 @@ class Agent:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         if not 0 < compact_target <= compact_at <= 1:
             raise ValueError(f"need 0 < compact_target <= compact_at <= 1, got {compact_target} and {compact_at}")
-        ToolSet([t.info for t in tools])  # rejects duplicate names now, not at the first turn
+        self.providers = [t for t in tools if isinstance(t, ToolProvider) and not isinstance(t, Tool)]
+        self.tools = [t for t in tools if t not in self.providers]
+        ToolSet([t.info for t in self.tools])  # rejects duplicate names now, not at the first turn
         self.model_client = model_client
-        self.tools = list(tools)
         self.instructions = instructions
         self.runtime = runtime if runtime is not None else _baseline_runtime()
         self.max_turns = max_turns
@@ -261,12 +272,13 @@ class Agent:
         for turn in range(1, self.max_turns + 1):
             yield TurnStarted(turn)
             ctx = self.runtime.context(session=self.session)
-            tool_set, tools = self._resolve_tools(ctx)
+            tool_set, tools = self._resolve_tools(ctx, await self._provided_tools())
             request = self._build_request(tool_set, ctx, is_first_turn=turn == 1)
             compacted = self._compact(request, ctx)
             if compacted is not None:
                 yield compacted
                 request = self._build_request(tool_set, ctx, is_first_turn=turn == 1)
+            check_prefix(request, ctx, is_compaction=compacted is not None)  # diagnostic; raises in strict mode
             started = time.perf_counter()
             response = await self._model_response(request, ctx)
             seconds = time.perf_counter() - started
@@ -284,8 +296,16 @@ class Agent:
 
     # -- one turn ------------------------------------------------------------------------
 
-    def _resolve_tools(self, ctx: RequestContext) -> tuple[ToolSet, dict[str, Tool]]:
-        all_tools = [*self.tools, *ctx.hooks.extra_tools(ctx)]
+    async def _provided_tools(self) -> list[Tool]:
+        # re-listed every turn: an MCP server answers from its cache until it sends
+        # tools/list_changed, so a changed list reaches the model on the next turn
+        provided: list[Tool] = []
+        for provider in self.providers:
+            provided.extend(await provider.list_tools())
+        return provided
+
+    def _resolve_tools(self, ctx: RequestContext, provided: Sequence[Tool] = ()) -> tuple[ToolSet, dict[str, Tool]]:
+        all_tools = [*self.tools, *provided, *ctx.hooks.extra_tools(ctx)]
         tool_set = ToolSet([t.info for t in all_tools])  # a plugin's tool may not shadow one of ours
         by_name = {t.info.name: t for t in all_tools}
         state = ctx.state(_HARNESS_STATE, _TurnState)
@@ -303,6 +323,7 @@ class Agent:
             "input": list(self.items),
             "temperature": self.temperature,
             "max_output_tokens": self.max_output_tokens,
+            "prompt_cache_key": self.session.id,  # cache affinity: the API and router key on the session
         }
         visible = tools.visible()
         if visible:

@@ -1,25 +1,30 @@
 """Prefix pinning: byte-stable, append-only requests and a prefix-break detector.
 
-Not implemented yet (issue 8): the config is declared so stacks can set it today.
+DESIGN.md technique 3; docs/techniques/prefix-pinning.md. The plugin class lives in
+:mod:`.plugin`; the detector, which runs with the plugin off too, in
+:mod:`loopstack.harness.prefix_detector`. This module is what the plugin catalog and
+the bench registry load.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from pydantic import Field
+from loopstack.markers import hookimpl
 
-from loopstack.plugin import Layer, Plugin, PluginConfig
+from .config import PrefixPinningConfig
+from .plugin import PrefixPinning
+
+if TYPE_CHECKING:
+    from loopstack.bench.workload import Workload
+
+__all__ = ["PLUGIN", "PrefixPinning", "PrefixPinningConfig"]
+
+PLUGIN = PrefixPinning
 
 
-class PrefixPinningConfig(PluginConfig):
-    tool_order: Literal["sorted", "first_seen"] = Field("sorted", description="how tools are pinned")
-    strict: bool = Field(False, description="raise on a prefix break (for tests of other plugins)")
+@hookimpl
+def loopstack_bench_workloads() -> list[Workload]:
+    from .bench import PrefixWorkload
 
-
-class PrefixPinning(Plugin):
-    name = "prefix_pinning"
-    layers = (Layer.HARNESS, Layer.API)
-    Config = PrefixPinningConfig
-    summary = "Canonical, append-only requests so the engine's prefix cache keeps hitting."
-    implemented = False
+    return [PrefixWorkload()]
