@@ -1,25 +1,66 @@
-"""Parallel safety: guards that overlap inference instead of preceding it.
+"""Parallel safety: guards that overlap inference instead of preceding it (DESIGN technique 5).
 
-Not implemented yet (issue 10): the config is declared so stacks can set it today.
+Input guards check the request's new user and tool content alongside prefill; output
+guards check the generated text in overlapping chunks alongside decode. Modes per guard:
+``sequential`` (the baseline), ``stream_then_cut`` and ``hold_until_pass`` (see
+:mod:`.modes`). Built-in guards: a logistic-regression classifier over the embedded
+SmolLM2's hidden states (:mod:`.classifier`) and an injection-marker pattern guard
+(:mod:`.patterns`); third-party guards come from the ``loopstack_guards`` hook.
+
+Example stack table::
+
+    [plugins.parallel_safety]
+    enabled = true
+    mode = "stream_then_cut"
+    model_modes = { "smollm2-135m-instruct" = "hold_until_pass" }
+    guards = { injection_patterns = { mode = "sequential" } }
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
-
+from loopstack.markers import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
+from pydantic import Field, model_validator
+
+Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
+
+
+class GuardSettings(PluginConfig):
+    """Settings of one guard, by its name (``smollm2_classifier``, ``injection_patterns``,
+    or a third-party guard's name); unset fields take the plugin-wide value."""
+
+    enabled: bool = Field(True, description="run this guard")
+    mode: Mode | None = Field(None, description="this guard's mode (default: the model's, else `mode`)")
+    timeout_s: float | None = Field(None, gt=0, description="limit on one check of this guard")
+    fail_open: bool | None = Field(None, description="let traffic through when this guard errors or times out")
 
 
 class ParallelSafetyConfig(PluginConfig):
-    mode: Literal["sequential", "stream_then_cut", "hold_until_pass"] = Field(
-        "stream_then_cut", description="how guards and inference overlap"
-    )
+    mode: Mode = Field("stream_then_cut", description="how guards and inference overlap, by default")
+    model_modes: dict[str, Mode] = Field(default_factory=dict, description="default mode per model name")
+    guards: dict[str, GuardSettings] = Field(default_factory=dict, description="per-guard settings, by guard name")
+    builtin_guards: list[Literal["classifier", "patterns"]] = Field(
+        ["classifier", "patterns"], description="built-in guards to run")
+    classifier_threshold: float | None = Field(None, gt=0, lt=1, description="override the fitted threshold")
+    classifier_threads: int = Field(1, ge=1, description="torch threads of the classifier's own worker thread")
+    preload: bool = Field(True, description="load the classifier when the stack starts (on a thread)")
     chunk_tokens: int = Field(32, ge=1, description="output tokens per guard check")
     overlap_tokens: int = Field(8, ge=0, description="tokens shared by consecutive chunks")
+    first_chunk_tokens: int = Field(8, ge=1, description="tokens in the first output check (hold releases sooner)")
     guard_timeout_s: float = Field(2.0, gt=0, description="limit on one guard check")
     fail_open: bool = Field(False, description="let traffic through when a guard errors or times out")
+
+    @model_validator(mode="after")
+    def _check_chunks(self) -> ParallelSafetyConfig:
+        if self.overlap_tokens >= self.chunk_tokens:
+            raise ValueError(f"overlap_tokens ({self.overlap_tokens}) must be less than chunk_tokens "
+                             f"({self.chunk_tokens})")
+        if self.first_chunk_tokens > self.chunk_tokens:
+            raise ValueError(f"first_chunk_tokens ({self.first_chunk_tokens}) must be at most chunk_tokens "
+                             f"({self.chunk_tokens})")
+        return self
 
 
 class ParallelSafety(Plugin):
@@ -27,4 +68,32 @@ class ParallelSafety(Plugin):
     layers = (Layer.API,)
     Config = ParallelSafetyConfig
     summary = "Run input and output guards alongside prefill and decode."
-    implemented = False
+
+    config: ParallelSafetyConfig
+
+    def __init__(self, config: PluginConfig, *, arm: str = "default") -> None:
+        super().__init__(config, arm=arm)
+        self._builtins: Any = None
+
+    @hookimpl
+    def loopstack_configure(self, runtime: Any) -> None:
+        from .plugin import BuiltinGuards
+
+        self._builtins = BuiltinGuards(self.config)
+
+    @hookimpl
+    def loopstack_guards(self, ctx: Any) -> list[Any]:
+        return list(self._builtins.guards) if self._builtins is not None else []
+
+    @hookimpl
+    def loopstack_response_middleware(self, runtime: Any) -> Any:
+        from .plugin import response_middleware
+
+        return response_middleware(self.config)
+
+
+@hookimpl
+def loopstack_bench_workloads() -> list[Any]:
+    from .bench import SafetyWorkload
+
+    return [SafetyWorkload()]

@@ -1,0 +1,107 @@
+"""The guard interface: an async classifier over text that returns a :class:`Verdict`.
+
+A guard is any object with a ``name`` and an async ``check(text, *, stage)``; ``stage``
+is ``"input"`` (the request's new user and tool content) or ``"output"`` (a chunk of
+generated text). Third-party guards come from the ``loopstack_guards(ctx)`` hook.
+
+Example::
+
+    class NoSecrets:
+        name = "no_secrets"
+        stages = ("output",)
+
+        async def check(self, text: str, *, stage: str) -> Verdict:
+            if "BEGIN PRIVATE KEY" in text:
+                return Verdict.block(self.name, "secret", 1.0)
+            return Verdict.allow(self.name)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Stage = Literal["input", "output"]
+STAGES: tuple[Stage, ...] = ("input", "output")
+GUARD_ERROR = "guard_error"
+GUARD_TIMEOUT = "guard_timeout"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check: pass, or block with a category and a score in [0, 1]."""
+
+    passed: bool
+    guard: str
+    category: str | None = None
+    score: float = 0.0
+    detail: str = ""
+
+    @classmethod
+    def allow(cls, guard: str, score: float = 0.0) -> Verdict:
+        return cls(True, guard, None, score)
+
+    @classmethod
+    def block(cls, guard: str, category: str, score: float = 1.0, detail: str = "") -> Verdict:
+        return cls(False, guard, category, score, detail)
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """What a guard provides. ``stages`` (optional, default both) says where it applies."""
+
+    name: str
+
+    async def check(self, text: str, *, stage: Stage) -> Verdict: ...
+
+
+def guard_stages(guard: Any) -> Sequence[str]:
+    return tuple(getattr(guard, "stages", STAGES))
+
+
+class DelayedGuard:
+    """``inner`` plus a fixed delay after each check: the bench's "real guard + N ms"."""
+
+    def __init__(self, inner: Guard, delay_s: float, stages: Sequence[str] | None = None) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.name = inner.name
+        self.stages = tuple(stages) if stages is not None else guard_stages(inner)
+
+    async def check(self, text: str, *, stage: Stage) -> Verdict:
+        verdict = await self.inner.check(text, stage=stage)
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+        return verdict
+
+
+async def run_check(guard: Guard, text: str, stage: Stage, *, timeout_s: float, fail_open: bool,
+                    ctx: Any = None) -> Verdict:
+    """Run one check under ``timeout_s``. An error or a timeout blocks (category
+    ``guard_error`` / ``guard_timeout``) unless ``fail_open``, which lets it pass.
+    Records checks, outcomes and latency on ``ctx`` when given."""
+    started = time.perf_counter()
+    outcome = "pass"
+    try:
+        verdict = await asyncio.wait_for(guard.check(text, stage=stage), timeout_s)
+        if not isinstance(verdict, Verdict):
+            raise TypeError(f"guard {guard.name!r} returned {type(verdict).__name__}, not a Verdict")
+        outcome = "pass" if verdict.passed else "block"
+    except TimeoutError:
+        outcome = "timeout"
+        verdict = Verdict.block(guard.name, GUARD_TIMEOUT, 1.0, f"no verdict within {timeout_s} s")
+    except Exception as exc:  # noqa: BLE001 - any guard failure fails closed (or open), never the response
+        outcome = "error"
+        verdict = Verdict.block(guard.name, GUARD_ERROR, 1.0, f"{type(exc).__name__}: {exc}")
+    if outcome in ("timeout", "error") and fail_open:
+        verdict = Verdict(True, guard.name, verdict.category, 0.0, verdict.detail)
+    if ctx is not None:
+        elapsed = time.perf_counter() - started
+        ctx.count("parallel_safety_checks_total", help="guard checks run", guard=guard.name, stage=stage,
+                  outcome=outcome)
+        ctx.observe("parallel_safety_guard_seconds", elapsed, help="latency of one guard check",
+                    guard=guard.name, stage=stage)
+    return verdict

@@ -1,0 +1,121 @@
+"""Wiring: the built-in guards, per-guard settings, and the response middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from .guard import Guard
+from .modes import Chunking, GuardedResponse, GuardPlan, Mode
+from .patterns import PatternGuard
+
+if TYPE_CHECKING:
+    from . import ParallelSafetyConfig
+
+
+class BuiltinGuards:
+    """The guards this plugin brings itself: the pattern guard at once, the classifier
+    loaded on a background thread (seconds) so the stack starts without waiting."""
+
+    def __init__(self, config: ParallelSafetyConfig) -> None:
+        self.config = config
+        self.guards: list[Guard] = []
+        self._classifier: Any = None
+        self._loaded = threading.Event()
+        self._error: BaseException | None = None
+        if "patterns" in config.builtin_guards:
+            self.guards.append(PatternGuard())
+        if "classifier" in config.builtin_guards:
+            self.guards.append(LazyClassifier(self))
+            if config.preload:
+                # import here, not in the thread: two threads importing loopstack.engine at
+                # once can see it half-initialized (a circular-import error in the other)
+                import loopstack.engine.loaders  # noqa: F401
+
+                # not a daemon: interpreter exit waits for it, where a daemon thread killed
+                # inside torch would abort the process ("terminate called ...")
+                threading.Thread(target=self._load, name="parallel-safety-load", daemon=False).start()
+        else:
+            self._loaded.set()
+
+    def _load(self) -> None:
+        try:
+            if self._classifier is None:
+                from .classifier import ClassifierGuard
+
+                self._classifier = ClassifierGuard(threshold=self.config.classifier_threshold,
+                                                   threads=self.config.classifier_threads)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the first check that needs it
+            self._error = exc
+        finally:
+            self._loaded.set()
+
+    def classifier(self) -> Any:
+        if not self._loaded.is_set() and not self.config.preload:
+            self._load()
+        self._loaded.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the safety classifier failed to load: {self._error!r}")
+        return self._classifier
+
+
+class LazyClassifier:
+    """The classifier guard, usable before its weights finish loading: ``ready`` waits
+    for them (outside any check's timeout), ``check`` classifies."""
+
+    name = "smollm2_classifier"
+    stages = ("input", "output")
+
+    def __init__(self, owner: BuiltinGuards) -> None:
+        self.owner = owner
+
+    async def ready(self) -> None:
+        await asyncio.to_thread(self.owner.classifier)
+
+    async def check(self, text: str, *, stage: Any) -> Any:
+        return await self.owner.classifier().check(text, stage=stage)
+
+
+def plans_for(config: ParallelSafetyConfig, guards: list[Guard], model: str) -> list[GuardPlan]:
+    """Each guard with its mode (guard setting, else the model's default, else ``mode``),
+    timeout and failure policy; guards switched off in ``guards`` are left out."""
+    default: Mode = config.model_modes.get(model, config.mode)
+    plans = []
+    for guard in guards:
+        settings = config.guards.get(guard.name)
+        if settings is not None and not settings.enabled:
+            continue
+        plans.append(GuardPlan(
+            guard=guard,
+            mode=(settings.mode if settings and settings.mode else default),
+            timeout_s=(settings.timeout_s if settings and settings.timeout_s else config.guard_timeout_s),
+            fail_open=(settings.fail_open if settings and settings.fail_open is not None else config.fail_open),
+        ))
+    return plans
+
+
+def response_middleware(config: ParallelSafetyConfig) -> Any:
+    chunking = Chunking(config.chunk_tokens, config.overlap_tokens, config.first_chunk_tokens)
+
+    def wrap(next_handler: Any) -> Any:
+        async def handler(job: Any, ctx: Any) -> AsyncIterator[dict[str, Any]]:
+            model = job.prepared.request.model or job.service.model_name
+            plans = plans_for(config, ctx.hooks.guards(ctx=ctx), model)
+            if not plans:
+                async for event in next_handler(job, ctx):
+                    yield event
+                return
+            for plan in plans:  # a guard still loading its weights is waited for, not timed out
+                ready = getattr(plan.guard, "ready", None)
+                if ready is not None:
+                    await ready()
+            guarded = GuardedResponse(job, ctx, plans, next_handler, chunking=chunking,
+                                      tokenizer=job.service.engine.tokenizer)
+            async for event in guarded.events():
+                yield event
+
+        return handler
+
+    return wrap
