@@ -38,6 +38,16 @@ def observe(ctx: Any, response: dict[str, Any], elapsed: float) -> None:
     ctx.count("loopstack_api_responses_total", help="responses by final status", status=response["status"])
 
 
+# failures that are the request's content, not the server's fault
+_REFUSAL_CODES = {"guard_tripped": 400}
+
+
+def _status_of(response: dict[str, Any]) -> int:
+    if response["status"] != "failed":
+        return 200
+    return _REFUSAL_CODES.get((response.get("error") or {}).get("code"), 500)
+
+
 @handles_errors
 async def create_response(request: Request) -> Response:
     state = state_of(request)
@@ -54,8 +64,7 @@ async def create_response(request: Request) -> Response:
                 if event["type"] in TERMINAL:
                     final = event["response"]
             observe(ctx, final, time.perf_counter() - started)
-        status = 500 if final["status"] == "failed" else 200
-        return JSONResponse(final, status_code=status)
+        return JSONResponse(final, status_code=_status_of(final))
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         with state.live.request(session=session, overrides=overrides) as ctx:

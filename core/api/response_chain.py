@@ -14,6 +14,7 @@ HTTP (JSON and SSE) and WebSocket requests all go through :func:`run_response`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, MutableMapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +37,11 @@ class ResponseJob:
 
 async def _generate(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
     # the chain's endpoint; module-level so ctx.chain caches one chain per arm combination
-    async for event in job.service.run(job.prepared, job.local):
-        yield event
+    # aclosing: a consumer that stops early (a client gone, a guard's cut) closes the
+    # engine stream now, which aborts the request and frees its KV blocks, not at GC time
+    async with aclosing(job.service.run(job.prepared, job.local)) as events:
+        async for event in events:
+            yield event
 
 
 def run_response(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:

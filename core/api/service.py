@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, MutableMapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -184,13 +185,14 @@ class ResponsesService:
         parser = ToolCallStreamParser(prepared.tool_names)
         last = None
         try:
-            async for output in self.engine.stream(prepared.prompt_ids, prepared.params,
-                                                   request_id=prepared.response_id,
-                                                   salt=tenant_salt(prepared.principal)):
-                last = output
-                for kind, value in parser.feed(output.new_text):
-                    for event in self._apply(builder, kind, value):
-                        yield event
+            stream = self.engine.stream(prepared.prompt_ids, prepared.params, request_id=prepared.response_id,
+                                        salt=tenant_salt(prepared.principal))
+            async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
+                async for output in outputs:
+                    last = output
+                    for kind, value in parser.feed(output.new_text):
+                        for event in self._apply(builder, kind, value):
+                            yield event
         except (PromptTooLongError, InvalidGrammarError, ValueError) as exc:
             events, _ = builder.fail(str(exc), code="invalid_request")
             for event in events:

@@ -58,6 +58,13 @@ def test_sse_injection_is_blocked_before_any_token(server):
                                                                    "guard_tripped")
 
 
+def test_json_request_that_trips_a_guard_is_a_400_not_a_server_error(server):
+    response = httpx.post(server.url + "/v1/responses", json={"input": ATTACK, "max_output_tokens": 16}, timeout=120)
+    assert response.status_code == 400
+    body = response.json()
+    assert body["status"] == "failed" and body["error"]["code"] == "guard_tripped"
+
+
 def test_sse_benign_request_completes_with_tokens(server):
     events = sse_events(server, input="What is the capital of France?", temperature=0, max_output_tokens=16)
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
