@@ -55,6 +55,7 @@ class _Totals:
     tool_seconds: float = 0.0
     tool_calls: list[str] = field(default_factory=list)
     compactions: int = 0
+    mcp_start_seconds: float = 0.0
 
     def add(self, event: AgentEvent) -> None:
         if isinstance(event, ModelCalled):
@@ -86,9 +87,11 @@ def _describe(event: AgentEvent) -> str | None:
 
 async def _session(base_url: str, say: Callable[[str], None]) -> _Totals:
     totals = _Totals()
+    started = time.perf_counter()
     async with MCPServer.stdio(sys.executable, [str(NOTES_SERVER)], name="notes") as notes, \
             ResponsesHTTPClient(f"{base_url}/v1") as client:
         tools = [get_weather, *await notes.list_tools()]
+        totals.mcp_start_seconds = time.perf_counter() - started
         say(f"  tools: {', '.join(t.info.name for t in tools)} (get_weather: Python; the rest: MCP over stdio)")
         agent = Agent(client, tools, instructions="You are a helpful assistant. Use the tools.", max_turns=3,
                       max_output_tokens=64, context_window=8192)
@@ -128,8 +131,9 @@ def run_agent_demo(say: Callable[[str], None], stack_ref: str = "baseline") -> i
     say("\n  what each layer did")
     say(f"    harness    {totals.turns} model calls, {len(totals.tool_calls)} tool calls "
         f"({', '.join(totals.tool_calls) or 'none'}), {totals.compactions} compactions; "
-        f"{totals.request_bytes:,} request bytes; tools {totals.tool_seconds:.2f} s, "
-        f"loop and MCP {max(wall - totals.model_seconds - totals.tool_seconds, 0):.2f} s")
+        f"{totals.request_bytes:,} request bytes; tools {totals.tool_seconds:.2f} s, MCP server start-up "
+        f"{totals.mcp_start_seconds:.2f} s, the loop itself "
+        f"{max(wall - totals.model_seconds - totals.tool_seconds - totals.mcp_start_seconds, 0):.2f} s")
     say(f"    API        {totals.turns} responses; {max(totals.model_seconds - engine_s, 0):.2f} s beyond the engine "
         "(HTTP, request parsing, prompt rendering, grammar compile, streaming)")
     hit_rate = f"; block manager: {hit}/{queried} prompt tokens hit the prefix cache" if queried else ""
