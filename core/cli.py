@@ -125,7 +125,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.exit(f"loopstack: unknown workload {args.workload!r}; available: {', '.join(sorted(available))}")
     loader = StackLoader(catalog)
     stacks = [_load(loader, ref) for ref in (args.stack or ["baseline"])]
-    options = BenchOptions(steps=args.steps, quick=args.quick)
+    extra: dict[str, str] = {}
+    for option in args.option or []:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            sys.exit(f"loopstack: --option takes KEY=VALUE, got {option!r}")
+        extra[key.strip()] = value.strip()
+    options = BenchOptions(steps=args.steps, quick=args.quick, extra=extra)
     result = asyncio.run(run_bench(available[args.workload], stacks, options, progress=not args.no_progress))
     print(format_table(result))
     if args.json:
@@ -203,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--steps", type=int, help="measured rounds per stack (default: the workload's)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
+    p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
+                   help="a workload setting (see the workload's docs), e.g. -o turns=8; repeatable")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--list", action="store_true", help="list workloads and exit")
     p.set_defaults(func=cmd_bench)

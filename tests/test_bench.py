@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import anyio
+import pytest
 
 from loopstack import StackLoader
 from loopstack.bench import BenchOptions, Workload, run_bench
@@ -60,7 +61,6 @@ def test_cli_bench_writes_json_in_the_documented_shape(tmp_path, capsys):
 
 
 def test_cli_bench_unknown_workload(capsys):
-    import pytest
 
     with pytest.raises(SystemExit, match=r"unknown workload 'nope'; available: (\w[\w-]*, )*engine, (\w[\w-]*, )*kernel"):
         main(["bench", "--workload", "nope"])
@@ -69,7 +69,6 @@ def test_cli_bench_unknown_workload(capsys):
 def test_workloads_come_from_the_discovery_hook_and_names_are_unique(catalog):
     import types
 
-    import pytest
 
     from loopstack import hookimpl
 
@@ -87,3 +86,8 @@ def test_workloads_come_from_the_discovery_hook_and_names_are_unique(catalog):
     catalog.discovery.register(clone, name="clone_workloads")
     with pytest.raises(ValueError, match="two workloads are named 'order'"):
         workloads(catalog)
+
+
+def test_cli_bench_option_must_be_key_value():
+    with pytest.raises(SystemExit, match="--option takes KEY=VALUE"):
+        main(["bench", "--workload", "kernel", "--option", "turns"])

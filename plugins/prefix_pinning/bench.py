@@ -17,7 +17,8 @@ token prefix with the previous call's prompt, in whole KV blocks (the last promp
 always computed), over all prompt tokens; the first call of a session is all misses.
 
 Options: ``--steps N`` replays N sessions (default 1; the 5 recordings in turn);
-``LOOPSTACK_BENCH_PREFIX_TURNS`` caps the turns per session (default 5; ``--quick``: 3).
+``-o turns=N`` (or ``LOOPSTACK_BENCH_PREFIX_TURNS``) caps the turns per session (default 5;
+``--quick``: 3).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class PrefixWorkload(Workload):
             self._clients[column] = EmbeddedClient(build_state(stack_paths[column], catalog=catalog,
                                                                engine=self._engine, store_path=":memory:"))
         self._tools = bench_tools(options.data_dir)
-        max_turns = int(os.environ.get(TURNS_ENV, QUICK_TURNS if options.quick else DEFAULT_TURNS))
+        default = QUICK_TURNS if options.quick else DEFAULT_TURNS
+        max_turns = int(options.extra.get("turns") or os.environ.get(TURNS_ENV, default))
         planner = StackRuntime(StackLoader(catalog).load(stack_paths["pinned"]), catalog)
         num_sessions = options.steps or (1 if options.quick else self.default_steps)
         for path in paths[:num_sessions]:
