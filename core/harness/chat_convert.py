@@ -85,6 +85,8 @@ def chat_body(request: Mapping[str, Any]) -> dict[str, Any]:
     if request.get("max_output_tokens") is not None:
         body["max_tokens"] = request["max_output_tokens"]
     body.update({k: request[k] for k in _SAMPLING if request.get(k) is not None})
+    if request.get("prompt_cache_key"):  # cache affinity (OpenAI, loopstack); other servers ignore it
+        body["prompt_cache_key"] = request["prompt_cache_key"]
     text_format = (request.get("text") or {}).get("format") or {}
     if text_format.get("type") == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {

@@ -8,7 +8,7 @@ from loopstack.harness.chat_convert import chat_body, response_of_chat
 
 def test_request_maps_roles_calls_outputs_tools_and_settings():
     request = {
-        "model": "m", "instructions": "Be brief.", "max_output_tokens": 32, "temperature": 0.0, "seed": 7,
+        "model": "m", "instructions": "Be brief.", "prompt_cache_key": "session-1", "max_output_tokens": 32, "temperature": 0.0, "seed": 7,
         "tool_choice": {"type": "function", "name": "get_weather"},
         "tools": [{"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"}}],
         "text": {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}, "strict": True}},
@@ -33,6 +33,7 @@ def test_request_maps_roles_calls_outputs_tools_and_settings():
     assert body["tools"][0]["function"]["name"] == "get_weather"
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert (body["max_tokens"], body["temperature"], body["seed"]) == (32, 0.0, 7)
+    assert body["prompt_cache_key"] == "session-1"
     assert body["response_format"]["json_schema"] == {"name": "out", "schema": {"type": "object"}, "strict": True}
 
 
