@@ -187,8 +187,11 @@ class ChainPrompts:
         entry = self.state.cache.get(previous, tenant=principal.tenant, local=local)
         if entry is None or entry.render_key != key:
             return None
-        if entry.is_stored and service.store.get(previous, tenant=principal.tenant) is None:
-            self.state.cache.discard(previous, tenant=principal.tenant)  # deleted or expired since
+        # every stored link must still be visible, as store.chain() would require: a deleted or
+        # expired ancestor ends the chain (its text must not live on in the cached tokens)
+        stored = [link.response_id for link in _links(entry) if link.is_stored]
+        if not service.store.all_present(stored, tenant=principal.tenant):
+            self.state.cache.discard(previous, tenant=principal.tenant)
             return None
         return entry
 
@@ -258,6 +261,15 @@ class ChainPrompts:
         )
         self.state.cache.put(entry)
         return entry
+
+
+def _links(entry: ChainTokens) -> list[ChainTokens]:
+    links: list[ChainTokens] = []
+    current: ChainTokens | None = entry
+    while current is not None:
+        links.append(current)
+        current = current.parent
+    return links
 
 
 def chain_prompts(ctx: RequestContext) -> ChainPrompts | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
@@ -60,18 +61,20 @@ async def create_response(request: Request) -> Response:
     if not body.stream:
         with state.live.request(session=session, overrides=overrides) as ctx:
             final = None
-            async for event in run_response(ResponseJob(state.service, prepared), ctx):
-                if event["type"] in TERMINAL:
-                    final = event["response"]
+            async with aclosing(run_response(ResponseJob(state.service, prepared), ctx)) as stream:
+                async for event in stream:
+                    if event["type"] in TERMINAL:
+                        final = event["response"]
             observe(ctx, final, time.perf_counter() - started)
         return JSONResponse(final, status_code=_status_of(final))
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         with state.live.request(session=session, overrides=overrides) as ctx:
-            async for event in run_response(ResponseJob(state.service, prepared), ctx):
-                if event["type"] in TERMINAL:
-                    observe(ctx, event["response"], time.perf_counter() - started)
-                yield event
+            async with aclosing(run_response(ResponseJob(state.service, prepared), ctx)) as stream:
+                async for event in stream:
+                    if event["type"] in TERMINAL:
+                        observe(ctx, event["response"], time.perf_counter() - started)
+                    yield event
 
     return StreamingResponse(sse_stream(events()), media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})

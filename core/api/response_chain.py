@@ -8,7 +8,8 @@ or stop iterating the inner generator: closing it cancels the generation and fre
 KV blocks. ``job.prepared`` carries the parsed request, the principal, the new input
 items and the prompt token ids.
 
-HTTP (JSON and SSE) and WebSocket requests all go through :func:`run_response`.
+HTTP (JSON and SSE) and WebSocket requests all go through :func:`run_response`, which
+also stores the response once every middleware has passed its final event.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ async def _generate(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict
             yield event
 
 
-def run_response(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-    """The events of ``job`` through the stack's response middlewares, outermost first."""
-    return ctx.chain("response", _generate)(job, ctx)
+_STORED_ON = ("response.completed", "response.incomplete")
+
+
+async def run_response(job: ResponseJob, ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    """The events of ``job`` through the stack's response middlewares, outermost first.
+
+    The response is stored here, after the outermost middleware let its final event
+    through and before the client sees that event: a response a guard failed is never
+    stored (nor retrievable, nor chainable), and one the client saw complete already is.
+    """
+    async with aclosing(ctx.chain("response", _generate)(job, ctx)) as events:
+        async for event in events:
+            if event.get("type") in _STORED_ON:
+                await job.service.remember(job.prepared, event["response"], job.local)
+            yield event

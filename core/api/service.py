@@ -18,13 +18,24 @@ import anyio
 from ..engine import InvalidGrammarError, PromptTooLongError, SamplingParams
 from ..engine.sequence import FinishReason
 from .auth import Principal, tenant_salt
-from .conversation import ConversationError, items_to_messages, loaded_tools, normalize_tools, render_prompt
+from .conversation import (
+    ConversationError,
+    items_to_messages,
+    loaded_tools,
+    normalize_tools,
+    render_prompt,
+)
 from .errors import APIError
 from .ids import new_id
 from .response_builder import ResponseBuilder, usage_of
 from .schemas import ResponsesRequest
 from .store import ResponseStore, StoredResponse, StoreError
-from .tool_calls import TextFormatError, ToolCallStreamParser, ToolChoiceError, response_grammar
+from .tool_calls import (
+    TextFormatError,
+    ToolCallStreamParser,
+    ToolChoiceError,
+    response_grammar,
+)
 
 if TYPE_CHECKING:
     from .chain_prompt import ChainPrompts
@@ -208,9 +219,8 @@ class ResponsesService:
                 yield event
             return
         usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens)
-        events, response = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
-        await self._remember(prepared, response, local)
-        for event in events:
+        events, _ = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
+        for event in events:  # stored by run_response, once every middleware has let it through
             yield event
 
     @staticmethod
@@ -219,7 +229,7 @@ class ResponsesService:
             return builder.text(value)
         return builder.function_call(value.name, value.arguments)
 
-    async def _remember(self, prepared: Prepared, response: dict[str, Any],
+    async def remember(self, prepared: Prepared, response: dict[str, Any],
                   local: MutableMapping[str, StoredResponse] | None) -> None:
         record = StoredResponse(
             id=prepared.response_id,
@@ -247,4 +257,6 @@ class ResponsesService:
             if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
                 final = event["response"]
         assert final is not None
+        if final["status"] != "failed":
+            await self.remember(prepared, final, local)
         return final

@@ -200,6 +200,24 @@ class ResponseStore:
         with self._connection() as conn:
             return self._get_locked(conn, response_id, tenant)
 
+    def all_present(self, response_ids: list[str], *, tenant: str) -> bool:
+        """Whether every one of ``response_ids`` is visible to ``tenant`` (none missing,
+        expired or another tenant's): one query, for checking a cached chain's links."""
+        unique = sorted(set(response_ids))
+        if not unique:
+            return True
+        with self._connection() as conn:
+            found = 0
+            for start in range(0, len(unique), 500):  # SQLite's bound-parameter limit
+                batch = unique[start : start + 500]
+                marks = ",".join("?" * len(batch))
+                (count,) = conn.execute(
+                    f"SELECT COUNT(*) FROM responses WHERE id IN ({marks}) AND tenant = ? AND created_at > ?",
+                    (*batch, tenant, self._cutoff()),
+                ).fetchone()
+                found += count
+        return found == len(unique)
+
     def delete(self, response_id: str, *, tenant: str) -> bool:
         """Delete a visible response; ``False`` when there was none for this tenant (or it expired)."""
         with self._connection() as conn:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import ValidationError
@@ -97,12 +98,13 @@ async def responses_websocket(websocket: WebSocket) -> None:
                     await websocket.send_text(json.dumps(_error_event(exc)))
                     continue
                 num_sent = 0
-                async for event in run_response(ResponseJob(state.service, prepared, local), ctx):
-                    if event["type"] in TERMINAL:
-                        observe(ctx, event["response"], time.perf_counter() - started)
-                    payload = json.dumps(event, separators=(",", ":"))
-                    num_sent += len(payload)  # ASCII: json.dumps escapes the rest
-                    await websocket.send_text(payload)
+                async with aclosing(run_response(ResponseJob(state.service, prepared, local), ctx)) as stream:
+                    async for event in stream:
+                        if event["type"] in TERMINAL:
+                            observe(ctx, event["response"], time.perf_counter() - started)
+                        payload = json.dumps(event, separators=(",", ":"))
+                        num_sent += len(payload)  # ASCII: json.dumps escapes the rest
+                        await websocket.send_text(payload)
                 record_ws_call(ctx, prepared, bytes_received=len(text), bytes_sent=num_sent)
     except WebSocketDisconnect:
         return

@@ -10,6 +10,9 @@ target (``target`` of the window):
 2. **drop** old turns whole: an assistant turn's messages, calls and outputs go together
    (a call is never left without its output).
 
+A tool search's ``tool_search_output`` keeps its loaded ``tools`` through both stages (its
+text is elided, the item and its call stay), so the tools it loaded remain callable.
+
 The instructions, every user message and the last ``keep_recent_turns`` turns are never
 touched. The agent reports each compaction as one :class:`~loopstack.harness.events.Compacted`
 event and counts it in ``loopstack_harness_compactions_total``: history is rewritten only
@@ -89,18 +92,20 @@ def compact(items: Sequence[dict[str, Any]], *, fixed_tokens: int, budget: int, 
             old = count_tokens(json.dumps(item, ensure_ascii=False))
             size = len(str(item.get("output", "")))
             item["output"] = f"[compacted: {size} characters of tool output dropped to fit the context window]"
-            item.pop("tools", None)
-            elided += 1
+            elided += 1  # a tool_search_output keeps its "tools": they stay callable
             after += count_tokens(json.dumps(item, ensure_ascii=False)) - old
     if after > budget:  # stage 2: drop old turns whole (model outputs and their tool outputs)
         bounds = [*(i for i in starts if i < protected_from), protected_from]
+        # a search's call and output stay (elided): the tools it loaded must remain callable
+        searches = {item.get("call_id") for item in work if item.get("type") == "tool_search_output"}
         gone: set[int] = set()
         for begin, end in zip(bounds, bounds[1:]):
             if after <= budget:
                 break
             for index in range(begin, end):
-                if not _is_user_message(work[index]):
-                    after -= count_tokens(json.dumps(work[index], ensure_ascii=False))
+                item = work[index]
+                if not _is_user_message(item) and item.get("call_id") not in searches:
+                    after -= count_tokens(json.dumps(item, ensure_ascii=False))
                     gone.add(index)
         dropped = len(gone)
         work = [item for index, item in enumerate(work) if index not in gone]

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -88,15 +89,16 @@ class EmbeddedClient:
         started = time.perf_counter()
         final: dict[str, Any] | None = None
         with self.state.live.request(session=session) as server_ctx:
-            async for event in run_response(ResponseJob(self.state.service, prepared), server_ctx):
-                if event["type"] == "response.output_text.delta" and on_text_delta is not None:
-                    on_text_delta(event.get("delta", ""))
-                elif event["type"] in TERMINAL:
-                    final = event["response"]
-                    observe(server_ctx, final, time.perf_counter() - started)
-                elif event["type"] == "error":
-                    error = event.get("error") or {}
-                    raise ModelClientError(int(event.get("status") or 500), str(error.get("message")), error.get("code"))
+            async with aclosing(run_response(ResponseJob(self.state.service, prepared), server_ctx)) as stream:
+                async for event in stream:
+                    if event["type"] == "response.output_text.delta" and on_text_delta is not None:
+                        on_text_delta(event.get("delta", ""))
+                    elif event["type"] in TERMINAL:
+                        final = event["response"]
+                        observe(server_ctx, final, time.perf_counter() - started)
+                    elif event["type"] == "error":
+                        error = event.get("error") or {}
+                        raise ModelClientError(int(event.get("status") or 500), str(error.get("message")), error.get("code"))
         if final is None:
             raise ModelClientError(500, "generation ended without a final response")
         if final["status"] == "failed":

@@ -242,6 +242,14 @@ class ResponsesWebSocketClient:
             await self._drop()
             raise ConnectionLostError(503, f"the WebSocket closed before the response finished: {exc}",
                                       "connection_lost") from None
+        except ModelClientError:
+            raise  # an error or response.failed event ended the response: the connection is in step
+        except BaseException:
+            # timeout, cancellation, a failing callback or a bad frame: the server may still be
+            # streaming this response, and its events must not answer the next request
+            with anyio.CancelScope(shield=True):
+                await self._drop()
+            raise
 
     async def _receive(self, connection: ClientConnection, is_first: bool) -> str | bytes:
         if not is_first or self._first_event_timeout_s is None:

@@ -73,9 +73,12 @@ def input_text(items: list[dict[str, Any]]) -> str:
                 parts.append(content)
             elif isinstance(content, list):
                 parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "tool_search_output"):
             output = item.get("output")
             parts.append(output if isinstance(output, str) else str(output))
+            # tools a search loaded: their descriptions come from (possibly untrusted) servers
+            parts += [f"{t.get('name', '')}: {t.get('description', '')}" for t in item.get("tools") or []
+                      if isinstance(t, dict)]
     return "\n".join(p for p in parts if p)
 
 

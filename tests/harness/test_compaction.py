@@ -120,3 +120,20 @@ def test_no_window_means_no_compaction_and_bad_settings_are_refused():
     assert not any(isinstance(e, Compacted) for e in result.events)
     with pytest.raises(ValueError, match="compact_target"):
         Agent(model, [], instructions="", compact_at=0.5, compact_target=0.9)
+
+
+def test_tools_loaded_by_a_search_survive_compaction():
+    from loopstack.api.conversation import loaded_tools
+
+    search = [
+        {"type": "function_call", "call_id": "s1", "name": "tool_search", "arguments": '{"query": "deploy"}'},
+        {"type": "tool_search_output", "call_id": "s1", "output": "found 1 " + "z" * 3000,
+         "tools": [{"type": "function", "name": "deploy", "description": "Deploy.", "parameters": {"type": "object"}}]},
+    ]
+    items = [_user("the task"), *search, *_conversation(6)[1:]]
+    result = compact(items, fixed_tokens=0, budget=500, keep_recent_turns=2)
+    assert result.changed and result.num_dropped > 0
+    assert [t.name for t in loaded_tools(result.items)] == ["deploy"]
+    kept = {i["call_id"] for i in result.items if i["type"] in ("function_call", "tool_search_output")}
+    assert "s1" in kept and str(next(i for i in result.items if i.get("call_id") == "s1" and
+                                     i["type"] == "tool_search_output")["output"]).startswith("[compacted")

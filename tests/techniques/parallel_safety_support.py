@@ -97,6 +97,9 @@ class ScriptedService:
     def echo(self, request: ResponsesRequest) -> dict[str, Any]:
         return {"model": self.model_name}
 
+    async def remember(self, prepared: Prepared, response: dict[str, Any], local: Any = None) -> None:
+        self.stored = response  # what run_response stores once every middleware passed it
+
     async def run(self, prepared: Prepared, local: Any = None):
         self.started_at = time.perf_counter()
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))

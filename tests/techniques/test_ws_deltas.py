@@ -167,6 +167,21 @@ def test_previous_response_id_is_isolated_between_tenants(tmp_path, tokenizer): 
         server.stop()
 
 
+def test_deleting_an_earlier_response_ends_the_cached_chain(server, tokenizer):  # noqa: F811
+    server.engine.push("one", "two", "three")
+    with connect(server.ws_url) as ws:
+        first = _ws_call(ws, type="response.create", input="my secret is 1234", instructions="Be brief.")
+        second = _ws_call(ws, type="response.append", previous_response_id=first["response"]["id"],
+                          input=[{"role": "user", "content": "ok"}])
+        assert second["type"] == "response.completed"  # the chain is cached now
+        assert httpx.delete(f"{server.url}/responses/{first['response']['id']}").status_code == 200
+        error = _ws_call(ws, type="response.append", previous_response_id=second["response"]["id"],
+                         input=[{"role": "user", "content": "again"}])
+    # as over HTTP: a chain with a deleted link is gone, its text does not live on in the cache
+    assert error["type"] == "error" and error["error"]["code"] == "previous_response_not_found"
+    assert not any("my secret is 1234" in tokenizer.decode(p) for p in server.engine.prompts[2:])
+
+
 def test_store_false_chains_live_on_their_connection(server, tokenizer):  # noqa: F811
     with connect(server.ws_url) as ws:
         first = _ws_call(ws, type="response.create", input="Hi", store=False, instructions="Be brief.")

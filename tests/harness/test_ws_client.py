@@ -1,0 +1,54 @@
+"""The WebSocket client never answers a request with an abandoned response's events."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import pytest
+from loopstack.harness.ws_client import ResponsesWebSocketClient
+from websockets.asyncio.server import serve
+
+
+class _Ctx:
+    """A minimal request context (the client records bytes and metrics on it)."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] = {}
+
+    def state(self, key: str, factory: Any) -> Any:
+        return self._state.setdefault(key, factory())
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def count(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_a_timed_out_response_does_not_answer_the_next_request():
+    counter = itertools.count(1)
+
+    async def handler(ws: Any) -> None:  # a server whose first response is slow
+        async for _ in ws:
+            n = next(counter)
+            await asyncio.sleep(0.5 if n == 1 else 0.0)
+            await ws.send(json.dumps({"type": "response.completed", "response": {"id": f"resp_{n}", "output": []}}))
+
+    async def main() -> tuple[str, int]:
+        async with serve(handler, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            client = ResponsesWebSocketClient(f"ws://127.0.0.1:{port}/v1", timeout_s=0.2)
+            ctx = _Ctx()
+            with pytest.raises(TimeoutError):
+                await client.exchange(b'{"type":"response.create","input":"first"}', ctx)
+            await asyncio.sleep(0.6)  # the abandoned response arrives meanwhile
+            response = await client.exchange(b'{"type":"response.create","input":"second"}', ctx)
+            setups = client.statistics().connection_setups
+            await client.aclose()
+            return response["id"], setups
+
+    response_id, setups = asyncio.run(main())
+    assert response_id == "resp_2" and setups == 2  # the timed-out connection was dropped, a new one opened
