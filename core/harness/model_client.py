@@ -120,13 +120,22 @@ class ClientTransport(Protocol):
         ...
 
 
+MAX_OPEN_TRANSPORTS = 64  # per client: sessions' transports kept open, least recently used closed first
+
+
 async def dispatch(client: Any, request: dict[str, Any], ctx: RequestContext, send: SendFull,
                    on_text_delta: TextCallback | None) -> dict[str, Any]:
     """Send through the session's transport when a plugin gives one, else with ``send``."""
     transport = ctx.hooks.client_transport(ctx)
     if transport is None:
         return await send(request, ctx, on_text_delta)
-    client._transports[id(transport)] = transport
+    key = id(transport)
+    client._transports.pop(key, None)  # most recently used last
+    client._transports[key] = transport
+    while len(client._transports) > MAX_OPEN_TRANSPORTS:
+        # the least recently used session's transport (a finished session's, as a rule): closed
+        # now so a long-lived client does not keep a socket per session; a later call reopens it
+        await client._transports.pop(next(iter(client._transports))).aclose()
     return await transport.create(request, ctx, endpoint=client.endpoint, fallback=send, on_text_delta=on_text_delta)
 
 

@@ -52,3 +52,42 @@ def test_a_timed_out_response_does_not_answer_the_next_request():
 
     response_id, setups = asyncio.run(main())
     assert response_id == "resp_2" and setups == 2  # the timed-out connection was dropped, a new one opened
+
+
+def test_a_client_keeps_only_the_most_recently_used_session_transports_open():
+    from loopstack.harness import model_client
+
+    class Transport:
+        def __init__(self) -> None:
+            self.closed = 0
+
+        async def create(self, request: Any, ctx: Any, **kwargs: Any) -> dict[str, Any]:
+            return {"id": "r"}
+
+        async def aclose(self) -> None:
+            self.closed += 1
+
+    class Hooks:
+        def __init__(self, transport: Transport) -> None:
+            self.transport = transport
+
+        def client_transport(self, ctx: Any) -> Transport:
+            return self.transport
+
+    class Ctx:
+        def __init__(self, transport: Transport) -> None:
+            self.hooks = Hooks(transport)
+
+    client = type("Client", (), {"endpoint": None})()
+    client._transports = {}
+    transports = [Transport() for _ in range(model_client.MAX_OPEN_TRANSPORTS + 3)]
+
+    async def main() -> None:
+        for transport in transports:
+            await model_client.dispatch(client, {}, Ctx(transport), send=None, on_text_delta=None)
+        await model_client.dispatch(client, {}, Ctx(transports[0]), send=None, on_text_delta=None)  # used again
+
+    asyncio.run(main())
+    assert [t.closed for t in transports[:4]] == [1, 1, 1, 1]  # 0-2 evicted; 0 comes back and evicts 3
+    assert all(t.closed == 0 for t in transports[4:])
+    assert len(client._transports) == model_client.MAX_OPEN_TRANSPORTS
