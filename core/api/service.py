@@ -247,16 +247,3 @@ class ResponsesService:
             await anyio.to_thread.run_sync(self.store.put, record)  # a durable write: off the loop
         elif local is not None:
             local[record.id] = record
-
-    async def create(self, request: ResponsesRequest, principal: Principal,
-                     local: MutableMapping[str, StoredResponse] | None = None) -> dict[str, Any]:
-        """Non-streaming: run to the end and return the response object."""
-        prepared = self.prepare(request, principal, local)
-        final: dict[str, Any] | None = None
-        async for event in self.run(prepared, local):
-            if event["type"] in ("response.completed", "response.incomplete", "response.failed"):
-                final = event["response"]
-        assert final is not None
-        if final["status"] != "failed":
-            await self.remember(prepared, final, local)
-        return final

@@ -19,6 +19,7 @@ bfloat16 checkpoints int8 loses less.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Literal
 
 import torch
@@ -39,7 +40,7 @@ DENSE_ABOVE_ROWS = 8
 MAX_RESCORED_ROWS = 16
 
 
-class _WeightOnlyLinear(nn.Module):
+class _WeightOnlyLinear(nn.Module, ABC):
     """Shared forward: quantized kernel for up to ``DENSE_ABOVE_ROWS`` rows, else ``dense``."""
 
     in_features: int
@@ -53,9 +54,9 @@ class _WeightOnlyLinear(nn.Module):
         self.register_buffer("dense", dense, persistent=False)  # [N, K] weights for prefill-sized inputs
         self.register_buffer("bias", bias, persistent=False)
 
+    @abstractmethod
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[M, N]`` bfloat16 output of ``[M, K]`` bfloat16 ``rows``."""
-        raise NotImplementedError
+        """``[M, N]`` bfloat16 output of ``[M, K]`` bfloat16 ``rows`` (each subclass's kernel)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step calls this 4x per layer: no-op casts and views are skipped, not called

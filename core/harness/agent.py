@@ -48,6 +48,7 @@ from .events import (
     Usage,
 )
 from .model_client import (
+    FINAL_EVENT_TYPES,
     ModelClient,
     TextCallback,
     last_request_bytes,
@@ -58,7 +59,6 @@ from .tool import Tool, ToolResult
 
 __all__ = ["Agent", "AgentResult", "ToolCall", "ToolProvider", "dispatch_tool_call", "turn_tools"]
 
-_FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
 _HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
 
 
@@ -254,6 +254,8 @@ class Agent:
         self.keep_recent_turns = keep_recent_turns
         self.count_tokens = count_tokens or estimate_tokens
         self.num_compactions = 0
+        self._counted_items: list[dict[str, Any]] | None = None  # the list _item_tokens counts
+        self._item_tokens: list[int] = []
 
     async def run(self, task: str) -> AgentResult:
         """Run ``task`` to a final answer or the turn limit; see :meth:`stream`."""
@@ -335,12 +337,20 @@ class Agent:
         ctx.hooks.prepare_request(request=request, ctx=ctx)
         return request
 
+    def _items_tokens(self) -> int:
+        # history is append-only between compactions: count each item once, not every turn
+        if self._counted_items is not self.items:  # replaced (compaction, or by the caller): count again
+            self._counted_items, self._item_tokens = self.items, []
+        for item in self.items[len(self._item_tokens):]:
+            self._item_tokens.append(self.count_tokens(json.dumps(item, ensure_ascii=False)))
+        return sum(self._item_tokens)
+
     def _compact(self, request: dict[str, Any], ctx: RequestContext) -> Compacted | None:
         if self.context_window is None:
             return None
         fixed = self.count_tokens(request.get("instructions") or "") + self.max_output_tokens
         fixed += self.count_tokens(json.dumps(request.get("tools") or [], ensure_ascii=False))
-        items_tokens = sum(self.count_tokens(json.dumps(item, ensure_ascii=False)) for item in self.items)
+        items_tokens = self._items_tokens()
         if fixed + items_tokens <= self.compact_at * self.context_window:
             return None
         result = compact(self.items, fixed_tokens=fixed, budget=int(self.compact_target * self.context_window),
@@ -357,7 +367,7 @@ class Agent:
         state.model_client, state.on_text_delta = self.model_client, self.on_text_delta
         response: dict[str, Any] | None = None
         async for event in ctx.chain("model", _call_model)(request, ctx):
-            if isinstance(event, dict) and event.get("type") in _FINAL_EVENT_TYPES:
+            if isinstance(event, dict) and event.get("type") in FINAL_EVENT_TYPES:
                 response = event["response"]
         if response is None:
             raise RuntimeError("the model chain ended without a response.completed event")

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 _RECORD = "loopstack.model_client"
-_FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
+FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
 
 TextCallback = Callable[[str], None]  # ctx.state key of the per-request record below
 
@@ -143,6 +143,25 @@ def observe_call_bytes(ctx: RequestContext, sent: int, received: int) -> None:
     """Per-call client metrics (every arm, every client): bytes of the request and of the answer."""
     ctx.observe("loopstack_client_request_bytes", sent, help="bytes a model client sent for one call")
     ctx.observe("loopstack_client_response_bytes", received, help="bytes a model client received for one call")
+
+
+def final_response(event: dict[str, Any], *, failed_status: int, error_status: int) -> dict[str, Any] | None:
+    """The response a final stream event carries, or None for any other event.
+
+    Raises:
+        ModelClientError: a ``response.failed`` event (status ``failed_status``) or an
+            ``error`` event (its own ``status``, else ``error_status``).
+    """
+    kind = event.get("type")
+    if kind in FINAL_EVENT_TYPES:
+        return event["response"]
+    if kind == "response.failed":
+        error = event["response"].get("error") or {}
+        raise ModelClientError(failed_status, str(error.get("message")), error.get("code"))
+    if kind == "error":
+        error = event.get("error") or {}
+        raise ModelClientError(int(event.get("status") or error_status), str(error.get("message")), error.get("code"))
+    return None
 
 
 @dataclass
@@ -277,17 +296,10 @@ class ResponsesHTTPClient:
                 if not line.startswith("data:"):
                     continue
                 event = json.loads(line[5:])
-                kind = event.get("type")
-                if kind == "response.output_text.delta":
+                if event.get("type") == "response.output_text.delta":
                     on_text_delta(event.get("delta", ""))
-                elif kind in _FINAL_EVENT_TYPES:
-                    return event["response"]
-                elif kind == "response.failed":
-                    error = event["response"].get("error") or {}
-                    raise ModelClientError(response.status_code, str(error.get("message")), error.get("code"))
-                elif kind == "error":
-                    error = event.get("error") or {}
-                    raise ModelClientError(int(event.get("status") or 500), str(error.get("message")), error.get("code"))
+                elif (final := final_response(event, failed_status=response.status_code, error_status=500)) is not None:
+                    return final
         raise ModelClientError(response.status_code, "the event stream ended without a final response")
 
     async def aclose(self) -> None:

@@ -43,6 +43,7 @@ from .model_client import (
     ServerEndpoint,
     TextCallback,
     dispatch,
+    final_response,
     observe_call_bytes,
     record_request_bytes,
     serialize_request,
@@ -61,7 +62,6 @@ __all__ = [
     "websocket_url",
 ]
 
-_FINAL_EVENT_TYPES = ("response.completed", "response.incomplete")
 
 
 class WebSocketRefusedError(ModelClientError):
@@ -227,17 +227,10 @@ class ResponsesWebSocketClient:
                 is_first = False
                 self._bytes_received += len(raw)
                 event = json.loads(raw)
-                kind = event.get("type")
-                if kind == "response.output_text.delta" and on_text_delta is not None:
+                if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
                     on_text_delta(event.get("delta", ""))
-                elif kind in _FINAL_EVENT_TYPES:
-                    return event["response"]
-                elif kind == "response.failed":
-                    error = event["response"].get("error") or {}
-                    raise ModelClientError(500, str(error.get("message")), error.get("code"))
-                elif kind == "error":
-                    error = event.get("error") or {}
-                    raise ModelClientError(int(event.get("status") or 400), str(error.get("message")), error.get("code"))
+                elif (final := final_response(event, failed_status=500, error_status=400)) is not None:
+                    return final
         except ConnectionClosed as exc:
             await self._drop()
             raise ConnectionLostError(503, f"the WebSocket closed before the response finished: {exc}",
