@@ -36,6 +36,9 @@ class EngineConfig(_Table):
     max_num_batched_tokens: int = Field(512, ge=16, description="token budget per step (chunked prefill)")
     max_model_len: int | None = Field(None, ge=16, description="context limit; null uses the model's")
     threads: int | None = Field(None, ge=1, description="torch threads on CPU; null uses every core")
+    native_decode: bool = Field(
+        True, description="run decode steps' layer loop in C++ where it applies (CPU, int4); built on first use"
+    )
     remote: list[str] = Field(default_factory=list, description="OpenAI-compatible base URLs served as replicas")
 
 

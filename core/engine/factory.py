@@ -8,6 +8,7 @@ from ..stack_schema import EngineConfig
 from .kv_events import KVEventBus
 from .llm_engine import EngineOptions, LLMEngine
 from .loaders import load_model
+from .native_decode import NativeDecoder
 from .quant import CALIBRATION_TEXT, calibrate_head, quantize_model
 
 __all__ = ["build_engine", "resolve_quantization"]
@@ -36,6 +37,8 @@ def build_engine(config: EngineConfig, *, event_bus: KVEventBus | None = None) -
         # the float32 head was the largest read of a decode step; rescored int8 keeps its top logits exact
         quantize_model(model, quantization, head=CPU_HEAD_QUANTIZATION)  # type: ignore[arg-type]
         calibrate_head(model, tokenizer.encode(CALIBRATION_TEXT))  # the head's int8 pass: see Int8RescoredHead
+    if config.native_decode:
+        model.native_decoder = NativeDecoder.for_model(model)
     options = EngineOptions(
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,

@@ -8,9 +8,10 @@ before the weights reach this module.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from itertools import repeat
-from typing import cast
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice, repeat
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,10 @@ from loopstack.engine.attention import (
 from loopstack.engine.config import ModelConfig
 from torch import nn
 
-__all__ = ["CausalLM", "rope_inv_freq"]
+if TYPE_CHECKING:
+    from loopstack.engine.native_decode import NativeDecoder
+
+__all__ = ["CausalLM", "LayerCapture", "rope_inv_freq"]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -145,6 +149,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp.forward(h if dtype is None else h.to(dtype))
 
 
+@dataclass(eq=False)
+class LayerCapture:
+    """Rows of the residual stream to keep from one forward (hidden-state capture).
+
+    After the first ``num_layers`` decoder layers, rows ``rows`` (``[R]`` token indices into
+    the batch) are copied out; the forward sets ``hidden`` to them, ``[R, hidden_size]`` float32.
+    """
+
+    num_layers: int
+    rows: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
 class CausalLM(nn.Module):
     """Decoder-only transformer: GQA, RoPE, RMSNorm, SwiGLU, optional QKV bias, tied embeddings.
 
@@ -164,6 +181,8 @@ class CausalLM(nn.Module):
         )
         # plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         self.inv_freq = rope_inv_freq(config)  # [D / 2] float32
+        # decode steps' layer loop in C++ where it applies (native_decode.NativeDecoder.for_model)
+        self.native_decoder: NativeDecoder | None = None
 
     @classmethod
     def empty(cls, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
@@ -196,6 +215,7 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
+        captures: Sequence[LayerCapture] = (),
     ) -> torch.Tensor:
         """Run the new tokens of a batch of sequences and return logits.
 
@@ -208,6 +228,8 @@ class CausalLM(nn.Module):
             logits_indices: ``[N]`` token indices (into ``T``) to compute logits for; default
                 the last token of each sequence. ``meta.last_token_indices(k + 1)`` serves
                 speculative verification, ``torch.arange(T)`` every position.
+            captures: hidden-state rows to copy out on the way, sorted by ``num_layers``
+                (each gets its ``hidden`` set).
 
         Returns:
             ``[N, vocab_size]`` float32 logits.
@@ -216,13 +238,26 @@ class CausalLM(nn.Module):
         cos, sin = self._rotary(positions, hidden.dtype)  # [T, H + 2 Hkv, D]
         mask = build_attention_mask(meta, self.config.sliding_window, hidden.dtype)
         kv_slots = kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, Hkv, D]
+        native = self.native_decoder
+        if native is not None and not captures and native.applies(meta):
+            hidden = native.run(hidden, cos, sin, kv_slots, meta, mask)  # every layer, in C++
+            return self._logits(hidden, meta, logits_indices)
         contexts = contiguous_contexts(kv_slots, meta) if mask is None and meta.num_tokens == 1 else None
-        for layer, layer_slots, context in zip(
-            self.layers, kv_slots, repeat(None) if contexts is None else contexts
-        ):
+        layers = zip(self.layers, kv_slots, repeat(None) if contexts is None else contexts)
+        if captures:  # prefill only: run up to each capture's layer, copy its rows, go on
+            num_done = 0
+            for capture in captures:
+                for layer, layer_slots, context in islice(layers, capture.num_layers - num_done):
+                    hidden = layer.forward(hidden, cos, sin, layer_slots, context, meta, mask)
+                num_done = capture.num_layers
+                capture.hidden = hidden.index_select(0, capture.rows).float()
+        for layer, layer_slots, context in layers:
             # .forward, not __call__, inside the layers: module hooks are not supported there,
             # and skipping them saves ~4 us on each of the ~270 module calls of a decode step
             hidden = layer.forward(hidden, cos, sin, layer_slots, context, meta, mask)
+        return self._logits(hidden, meta, logits_indices)
+
+    def _logits(self, hidden: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
         hidden = self.norm(hidden[logits_indices])  # [N, hidden]

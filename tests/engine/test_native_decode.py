@@ -1,0 +1,70 @@
+"""The C++ decode layer loop (native_decode) against the Python layers it replaces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from engine_support import PagedRunner, build_tiny_model
+from loopstack.engine.attention import AttentionMetadata
+from loopstack.engine.native_decode import NativeDecoder, load_extension
+from loopstack.engine.quant import quantize_model
+
+pytestmark = pytest.mark.skipif(
+    load_extension() is None, reason="the native decode extension could not be built here (see the log)"
+)
+
+
+def quantized_pair(**overrides):
+    """The same int4 model twice: one on the Python layers, one on the C++ loop."""
+    python = build_tiny_model(**overrides)
+    quantize_model(python, "int4", dense_dtype=torch.bfloat16)
+    native = copy.deepcopy(python)
+    native.native_decoder = NativeDecoder.for_model(native)
+    assert native.native_decoder is not None
+    return python, native
+
+
+@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}], ids=["llama", "qwen2-bias"])
+def test_decode_steps_match_the_python_layers(overrides):
+    python, native = quantized_pair(**overrides)
+    runners = PagedRunner(python), PagedRunner(native)  # same seed: the same shuffled block tables
+    prompts = {"a": [5, 9, 14, 3, 7, 11, 2 + 1], "b": [8, 1, 22, 4], "c": [30, 31, 32, 33, 34, 35, 36, 37, 38]}
+    for runner in runners:  # prefill (more rows than the C++ loop takes): Python on both
+        runner.step(prompts)
+    for step in range(6):
+        batch = {"a": [10 + step]} if step % 2 else {"a": [10 + step], "b": [20 + step], "c": [40 + step]}
+        expected, actual = (runner.step(batch) for runner in runners)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    # the caches hold the same K/V afterwards
+    torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-6, rtol=1e-6)
+
+
+def test_contiguous_single_sequence_reads_its_context_in_place():
+    python, native = quantized_pair()
+    caches = [model.allocate_kv_cache(num_blocks=8, block_size=4) for model in (python, native)]
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    with torch.inference_mode():
+        for model, cache in zip((python, native), caches):
+            meta = AttentionMetadata.build([len(tokens)], [len(tokens)], [list(range(8))], 4)
+            model(torch.tensor(tokens), meta.positions(), cache, meta)
+        results = []
+        for model, cache in zip((python, native), caches):
+            meta = AttentionMetadata.build([1], [len(tokens) + 1], [list(range(8))], 4)
+            assert meta.contiguous_first_block == 0
+            results.append(model(torch.tensor([7]), meta.positions(), cache, meta))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def test_it_applies_only_where_it_is_exact():
+    assert NativeDecoder.for_model(build_tiny_model()) is None  # float projections
+    windowed = build_tiny_model(sliding_window=8)
+    quantize_model(windowed, "int4", dense_dtype=torch.bfloat16)
+    assert NativeDecoder.for_model(windowed) is None
+    _, native = quantized_pair()
+    decoder = native.native_decoder
+    one = AttentionMetadata.build([1], [5], [[0, 1]], 4)
+    prefill = AttentionMetadata.build([3], [3], [[0]], 4)
+    assert decoder.applies(one) and not decoder.applies(prefill)
+    assert copy.deepcopy(native).native_decoder is None  # a copy must not run the original's weights
