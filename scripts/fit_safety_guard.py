@@ -1,15 +1,25 @@
 """Fit the parallel_safety built-in guard and measure it on the held-out split.
 
     .venv/bin/python scripts/fit_safety_guard.py [--data ../shared/data] [--layers 8]
+    .venv/bin/python scripts/fit_safety_guard.py --features in_context
 
 Builds the labelled set (``loopstack.plugins.parallel_safety.dataset``), extracts
-mean-pooled hidden states of the embedded SmolLM2 (``classifier.HiddenStateFeatures``),
-fits one logistic-regression head per unsafe category (jailbreak, injection: each against
-benign, sources balanced) on three quarters of the fit split, picks the L2 strength and
-the threshold by F1 on the remaining quarter (validation), and writes
-``plugins/parallel_safety/data/safety_guard.npz`` with precision and recall on the held-out
+mean-pooled hidden states of the embedded SmolLM2, fits one logistic-regression head per
+unsafe category (jailbreak, injection: each against benign, sources balanced) on three
+quarters of the fit split, picks the L2 strength and the threshold by F1 on the remaining
+quarter (validation), and writes the weights with precision and recall on the held-out
 split, scored once at the end. A text is unsafe when either head's probability reaches the
 threshold. Features are cached (``--cache``) so refits are quick.
+
+Features (``--features``):
+
+* ``standalone`` (default): the text alone through ``classifier.HiddenStateFeatures`` (a
+  dense float32 forward of the first layers), to ``data/safety_guard.npz``;
+* ``in_context``: the text as the user message of a Responses request, prepared by
+  ``ResponsesService.prepare`` (chat template, tokenization) exactly as the server does,
+  then prefilled by the engine a stack's ``[engine]`` table builds (``--stack``; int4 on
+  CPU by default) with the fused check's own capture (``fused.text_capture``), to
+  ``data/safety_guard_in_context.npz``. Train and serve share every step.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +36,8 @@ from loopstack.bench.workload import SHARED_DATA
 from loopstack.plugins.parallel_safety.classifier import (
     DEFAULT_LAYERS,
     DEFAULT_MAX_TOKENS,
+    IN_CONTEXT_WEIGHTS_PATH,
+    MODEL_FINGERPRINT,
     WEIGHTS_PATH,
     HiddenStateFeatures,
     fit_logistic,
@@ -85,38 +97,99 @@ def select(x, category, source, train, validation) -> tuple[float, float, float]
     return best
 
 
-def features(texts: list[str], extractor: HiddenStateFeatures, cache: Path | None) -> np.ndarray:
-    """``[N, hidden]`` features; rows already in ``cache`` (same text) are reused, and the
-    cache is saved every 200 rows so an interrupted run resumes."""
+def features(texts: list[str], extract: Callable[[list[str]], list[np.ndarray]], cache: Path | None,
+             batch: int = 1) -> np.ndarray:
+    """``[N, hidden]`` features, ``batch`` texts per ``extract`` call; rows already in ``cache``
+    (same text) are reused, and the cache is saved every ~200 rows so an interrupted run resumes."""
+    from tqdm import tqdm
+
     known: dict[str, np.ndarray] = {}
     if cache is not None and cache.exists():
         with np.load(cache, allow_pickle=False) as data:
             known = dict(zip(data["texts"].tolist(), data["x"]))
-    rows, started = [], time.perf_counter()
-    for i, text in enumerate(texts):
-        rows.append(known[text] if text in known else extractor(text))
-        known[text] = rows[-1]
-        if i % 200 == 199 or i == len(texts) - 1:
-            print(f"  features {i + 1}/{len(texts)} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-            if cache is not None:
+    todo = list(dict.fromkeys(t for t in texts if t not in known))
+    saved = 0
+    with tqdm(total=len(todo), desc="features", unit="text", file=sys.stderr, mininterval=10) as bar:
+        for start in range(0, len(todo), batch):
+            part = todo[start:start + batch]
+            known.update(zip(part, extract(part)))
+            bar.update(len(part))
+            if cache is not None and (len(known) - saved >= 200 or start + batch >= len(todo)):
                 np.savez(cache, x=np.stack(list(known.values())), texts=np.array(list(known)))
-    return np.stack(rows)
+                saved = len(known)
+    return np.stack([known[t] for t in texts])
+
+
+def in_context_extractor(stack: Path, num_layers: int, max_tokens: int) -> tuple[Callable, dict[str, object]]:
+    """Features of texts inside a Responses prompt, captured by the engine's prefill; and the
+    fingerprint of the model they belong to."""
+    from types import SimpleNamespace
+
+    from loopstack import PluginCatalog, StackLoader
+    from loopstack.api.auth import ANONYMOUS
+    from loopstack.api.schemas import ResponsesRequest
+    from loopstack.api.service import ResponsesService
+    from loopstack.engine import build_engine
+    from loopstack.engine.sampling_params import SamplingParams
+    from loopstack.plugins.parallel_safety.fused import text_capture
+    from loopstack.plugins.parallel_safety.modes import input_pieces
+
+    config = StackLoader(PluginCatalog.discover(use_entry_points=False)).load(stack).engine
+    engine = build_engine(config)
+    print(f"engine: {config.model}, quantization {engine.quantization}, dtype {engine.model.dtype}", file=sys.stderr)
+    client = SimpleNamespace(tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
+    service = ResponsesService(client, None, model_name=config.model)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    ids = iter(range(1 << 62))
+
+    def extract(texts: list[str]) -> list[np.ndarray]:
+        seqs = []
+        for text in texts:
+            prepared = service.prepare(ResponsesRequest(input=text), ANONYMOUS)
+            capture = text_capture(engine.tokenizer, prepared.prompt_ids, input_pieces(prepared.new_items),
+                                   num_layers=num_layers, max_tokens=max_tokens)
+            if capture is None:
+                raise RuntimeError(f"the text was not found in its own prompt: {text[:80]!r}")
+            seqs.append(engine.add_request(f"fit-{next(ids)}", prepared.prompt_ids, params, capture=capture))
+        hidden: dict[str, np.ndarray] = {}
+        while len(hidden) < len(seqs):
+            for output in engine.step():
+                if output.hidden_state is not None:
+                    hidden[output.request_id] = output.hidden_state.numpy()
+        return [hidden[s.request_id] for s in seqs]
+
+    fingerprint = {key: getattr(engine.model.config, key) for key in MODEL_FINGERPRINT}
+    return extract, {**fingerprint, "name": config.model, "quantization": engine.quantization,
+                     "dtype": str(engine.model.dtype).removeprefix("torch.")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=SHARED_DATA)
+    parser.add_argument("--features", choices=("standalone", "in_context"), default="standalone")
+    parser.add_argument("--stack", type=Path, default=Path(__file__).resolve().parents[1] / "stacks" / "baseline.toml",
+                        help="in_context: the stack whose [engine] computes the features (as it serves)")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/loopstack_safety_features.npz"))
-    parser.add_argument("--out", type=Path, default=WEIGHTS_PATH)
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="feature cache (default /tmp/loopstack_safety_features[_in_context].npz)")
+    parser.add_argument("--out", type=Path, default=None, help="weights (default: the committed file of --features)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared machine)")
     args = parser.parse_args(argv)
+    in_context = args.features == "in_context"
+    suffix = "_in_context" if in_context else ""
+    args.cache = args.cache or Path(f"/tmp/loopstack_safety_features{suffix}.npz")
+    args.out = args.out or (IN_CONTEXT_WEIGHTS_PATH if in_context else WEIGHTS_PATH)
     torch.set_num_threads(args.threads)
 
     examples = build_examples(args.data)
-    extractor = HiddenStateFeatures(num_layers=args.layers, max_tokens=args.max_tokens)
-    x = features([e.text for e in examples], extractor, args.cache)
+    model: dict[str, object] | None = None
+    if in_context:
+        extract, model = in_context_extractor(args.stack, args.layers, args.max_tokens)
+        x = features([e.text for e in examples], extract, args.cache, batch=16)
+    else:
+        extractor = HiddenStateFeatures(num_layers=args.layers, max_tokens=args.max_tokens)
+        x = features([e.text for e in examples], lambda texts: [extractor(t) for t in texts], args.cache)
     category = np.array([e.category for e in examples])
     fit = np.array([e.split == "fit" for e in examples])
 
@@ -130,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     labels = (category != BENIGN).astype(int)
     args.threshold = threshold
 
-    report: dict[str, object] = {"threshold": threshold, "l2": l2, "validation_f1": round(f1, 4),
-                                 "layers": args.layers, "max_tokens": args.max_tokens}
+    report: dict[str, object] = {"features": args.features, "threshold": threshold, "l2": l2,
+                                 "validation_f1": round(f1, 4), "layers": args.layers, "max_tokens": args.max_tokens}
+    if model is not None:
+        report["model"] = model
     for split, rows in (("train", fit & ~validation), ("validation", validation), ("held_out", ~fit)):  # the held-out rows are scored once, here
         p, r = precision_recall(score[rows], labels[rows], args.threshold)
         per_category = {}

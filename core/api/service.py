@@ -7,6 +7,7 @@ Responses events and stores the result.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import aclosing
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from ..engine import InvalidGrammarError, PromptTooLongError, SamplingParams
+from ..engine.sampling_params import HiddenCapture
 from ..engine.sequence import FinishReason
 from .auth import Principal, tenant_salt
 from .conversation import (
@@ -38,13 +40,19 @@ from .tool_calls import (
 )
 
 if TYPE_CHECKING:
+    from ..engine.config import ModelConfig
     from .chain_prompt import ChainPrompts
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
 
 class EngineClient(Protocol):
-    """What the API needs from inference: the embedded AsyncEngine, or later the router."""
+    """What the API needs from inference: the embedded AsyncEngine, or later the router.
+
+    An engine that can capture hidden states (the embedded one) also has
+    ``supports_hidden_capture = True``, a ``model_config`` and a ``capture=`` keyword on
+    ``stream`` (see :meth:`ResponsesService.request_hidden_state`).
+    """
 
     tokenizer: Any
     max_model_len: int
@@ -95,6 +103,19 @@ def generation_inputs(
     return prompt_ids, params
 
 
+@dataclass(frozen=True)
+class HiddenStateRequest:
+    """A response middleware's ask for hidden states of the prompt, computed by its own prefill.
+
+    :meth:`ResponsesService.run` passes ``capture`` to the engine and resolves ``result`` with
+    the ``[hidden]`` float32 tensor (CPU) when the prefill passes the capture's last span, or
+    with None when the generation ends without it (an error, an abort, a refused request).
+    """
+
+    capture: HiddenCapture
+    result: asyncio.Future[Any]
+
+
 @dataclass
 class Prepared:
     request: ResponsesRequest
@@ -104,6 +125,7 @@ class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     tool_names: set[str]
+    hidden_request: HiddenStateRequest | None = None  # see ResponsesService.request_hidden_state
 
 
 class ResponsesService:
@@ -168,6 +190,37 @@ class ResponsesService:
         return Prepared(request, principal, new_id("resp"), new_items, prompt_ids, params,
                         {t.name for t in callable_tools})
 
+    # -- the hidden-state seam: a response middleware reads the prefill's hidden states -----
+
+    def hidden_state_model(self) -> ModelConfig | None:
+        """The config of the model a capture's vector comes from; None when the engine cannot
+        capture (a remote or scripted engine): callers then do without."""
+        if not getattr(self.engine, "supports_hidden_capture", False):
+            return None
+        return getattr(self.engine, "model_config", None)
+
+    def request_hidden_state(self, prepared: Prepared, capture: HiddenCapture) -> asyncio.Future[Any]:
+        """Ask :meth:`run` for the mean hidden state over prompt spans (see :class:`HiddenCapture`).
+
+        Call it from a response middleware before the inner handler starts, on an engine whose
+        :meth:`hidden_state_model` is not None. The future resolves to the ``[hidden]`` float32
+        tensor when prefill passes the last span, or to None when the generation ends first;
+        asking again with the same capture returns the same future.
+
+        Raises:
+            RuntimeError: the engine cannot capture.
+            ValueError: another, different capture was already asked for this request.
+        """
+        if self.hidden_state_model() is None:
+            raise RuntimeError("this engine cannot capture hidden states")
+        current = prepared.hidden_request
+        if current is not None:
+            if current.capture != capture:
+                raise ValueError(f"request already captures {current.capture!r}; one capture per request")
+            return current.result
+        prepared.hidden_request = HiddenStateRequest(capture, asyncio.get_running_loop().create_future())
+        return prepared.hidden_request.result
+
     def echo(self, request: ResponsesRequest) -> dict[str, Any]:
         text = request.text.model_dump(exclude_none=True) if request.text else {"format": {"type": "text"}}
         return {
@@ -195,12 +248,16 @@ class ResponsesService:
             yield event
         parser = ToolCallStreamParser(prepared.tool_names)
         last = None
+        hidden = prepared.hidden_request
         try:
             stream = self.engine.stream(prepared.prompt_ids, prepared.params, request_id=prepared.response_id,
-                                        salt=tenant_salt(prepared.principal))
+                                        salt=tenant_salt(prepared.principal),
+                                        **({"capture": hidden.capture} if hidden is not None else {}))
             async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
                 async for output in outputs:
                     last = output
+                    if hidden is not None and output.hidden_state is not None and not hidden.result.done():
+                        hidden.result.set_result(output.hidden_state)  # before this step's text goes out
                     for kind, value in parser.feed(output.new_text):
                         for event in self._apply(builder, kind, value):
                             yield event
@@ -209,6 +266,9 @@ class ResponsesService:
             for event in events:
                 yield event
             return
+        finally:
+            if hidden is not None and not hidden.result.done():
+                hidden.result.set_result(None)
         for kind, value in parser.close():
             for event in self._apply(builder, kind, value):
                 yield event

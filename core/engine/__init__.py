@@ -22,7 +22,7 @@ from .grammar import InvalidGrammarError
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBus
 from .llm_engine import EngineOptions, LLMEngine, PromptTooLongError, RequestOutput, Usage
 from .loaders import load_model
-from .sampling_params import InvalidSamplingParamsError, SamplingParams
+from .sampling_params import HiddenCapture, InvalidHiddenCaptureError, InvalidSamplingParamsError, SamplingParams
 from .sequence import FinishReason
 from .tokenizer import Tokenizer
 
@@ -39,6 +39,8 @@ __all__ = [
     "FinishReason",
     "GenerationResult",
     "InvalidGrammarError",
+    "HiddenCapture",
+    "InvalidHiddenCaptureError",
     "InvalidSamplingParamsError",
     "KVEventBus",
     "LLMEngine",

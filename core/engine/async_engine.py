@@ -15,11 +15,15 @@ import logging
 import threading
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .config import ModelConfig
 from .llm_engine import LLMEngine, RequestOutput, Usage
-from .sampling_params import SamplingParams
+from .sampling_params import HiddenCapture, SamplingParams
 from .sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncEngine", "GenerationResult"]
 
@@ -34,6 +38,7 @@ class GenerationResult:
     finish_reason: FinishReason | None
     usage: Usage
     error: str | None = None
+    hidden_state: torch.Tensor | None = None  # [hidden] float32: the request's HiddenCapture, if any
 
     @classmethod
     async def collect(cls, outputs: AsyncIterable[RequestOutput]) -> GenerationResult:
@@ -41,13 +46,15 @@ class GenerationResult:
         tokens: list[int] = []
         text: list[str] = []
         last: RequestOutput | None = None
+        hidden = None
         async for output in outputs:
             tokens.extend(output.new_token_ids)
             text.append(output.new_text)
+            hidden = output.hidden_state if output.hidden_state is not None else hidden
             last = output
         if last is None:
             raise RuntimeError("the request produced no output")
-        return cls(last.request_id, tokens, "".join(text), last.finish_reason, last.usage, last.error)
+        return cls(last.request_id, tokens, "".join(text), last.finish_reason, last.usage, last.error, hidden)
 
 
 class _Waiter:
@@ -58,6 +65,8 @@ class _Waiter:
 
 class AsyncEngine:
     """Serves any number of concurrent tasks from one :class:`LLMEngine` thread."""
+
+    supports_hidden_capture = True  # stream(..., capture=HiddenCapture(...)) works here
 
     def __init__(self, engine: LLMEngine, *, name: str = "loopstack-engine") -> None:
         self.engine = engine
@@ -78,6 +87,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's shape: what a hidden-state capture's vector belongs to."""
+        return self.engine.model.config
+
     # -- caller side ---------------------------------------------------------------------------
 
     async def stream(
@@ -87,13 +101,19 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         salt: str = "",
+        capture: HiddenCapture | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one :class:`RequestOutput` per step that touched the request; the last has
-        ``finished=True``. Raises at once on invalid input (PromptTooLongError, ...)."""
+        ``finished=True``. Raises at once on invalid input (PromptTooLongError, ...).
+
+        With ``capture``, one output carries ``hidden_state`` (see :class:`HiddenCapture`); when
+        the capture ends before the prompt's last token, that output has no tokens.
+        """
         if self._stopped:
             raise RuntimeError("the engine is shut down")
         request_id = request_id or f"req-{next(self._ids)}"
-        seq = self.engine.make_sequence(request_id, prompt_token_ids, params or SamplingParams(), salt=salt)
+        seq = self.engine.make_sequence(request_id, prompt_token_ids, params or SamplingParams(), salt=salt,
+                                        capture=capture)
         waiter = _Waiter(asyncio.get_running_loop())
         self._waiters[request_id] = waiter
         self._submit("add", seq)
@@ -115,10 +135,11 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         salt: str = "",
+        capture: HiddenCapture | None = None,
     ) -> GenerationResult:
-        """Run one request to the end and return its tokens, text and usage."""
+        """Run one request to the end and return its tokens, text, usage (and captured hidden state)."""
         return await GenerationResult.collect(
-            self.stream(prompt_token_ids, params, request_id=request_id, salt=salt)
+            self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture)
         )
 
     def _submit(self, kind: str, item: Any) -> None:

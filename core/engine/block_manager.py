@@ -114,8 +114,10 @@ class BlockManager:
 
     # -- scheduler API -----------------------------------------------------------------------------
 
-    def can_allocate(self, tokens: int | Sequence[int], *, salt: Salt = None) -> bool:
-        """Whether :meth:`allocate` would succeed now.
+    def can_allocate(
+        self, tokens: int | Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None
+    ) -> bool:
+        """Whether :meth:`allocate` would succeed now (with the same ``max_cached_tokens``).
 
         Pass the prompt's token ids to count prefix hits, or only its length to ask without them
         (conservative).
@@ -125,20 +127,24 @@ class BlockManager:
             raise ValueError("a sequence needs at least one token")
         if isinstance(tokens, int):
             return self._num_blocks_for(num_tokens) <= self._num_available()
-        hit_ids, _ = self._match_prefix(tokens, _salt_bytes(salt), num_tokens - 1)
+        hit_ids, _ = self._match_prefix(tokens, _salt_bytes(salt), _reuse_limit(num_tokens, max_cached_tokens))
         return self._fits(num_tokens, hit_ids)
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, salt: Salt = None) -> Allocation:
+    def allocate(
+        self, seq_id: Hashable, token_ids: Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None
+    ) -> Allocation:
         """Give a new sequence blocks for its prompt, reusing the longest cached prefix.
 
         Only cached blocks entirely within ``token_ids[:-1]`` are reused: the last prompt token is
         always computed (the model needs its logits) into a private block, so ``num_cached_tokens``
-        is a multiple of ``block_size`` and at most ``len(token_ids) - 1``.
+        is a multiple of ``block_size`` and at most ``len(token_ids) - 1``. ``max_cached_tokens``
+        lowers that limit (a request whose prefill must compute positions from there on).
 
         Raises:
             OutOfBlocksError (nothing changes), DuplicateSequenceError, ValueError (empty prompt).
         """
-        allocation = self._allocate(seq_id, token_ids, salt, max_cached_tokens=len(token_ids) - 1)
+        limit = _reuse_limit(len(token_ids), max_cached_tokens)
+        allocation = self._allocate(seq_id, token_ids, salt, max_cached_tokens=limit)
         self._num_queried_tokens += len(token_ids)
         self._num_hit_tokens += allocation.num_cached_tokens
         return allocation
@@ -440,6 +446,11 @@ class BlockManager:
     def _publish(self, event: KVCacheEvent) -> None:
         if self._event_bus is not None:
             self._event_bus.publish(event)
+
+
+def _reuse_limit(num_tokens: int, max_cached_tokens: int | None) -> int:
+    limit = num_tokens - 1
+    return limit if max_cached_tokens is None else max(0, min(limit, max_cached_tokens))
 
 
 def _salt_bytes(salt: Salt) -> bytes:

@@ -20,7 +20,7 @@ from .kv_events import KVEventBus
 from .model import CausalLM
 from .model_runner import ModelRunner, kv_bytes_per_token
 from .sampler import sample
-from .sampling_params import SamplingParams
+from .sampling_params import HiddenCapture, InvalidHiddenCaptureError, SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, StopChecker
 from .tokenizer import Tokenizer
@@ -65,6 +65,7 @@ class RequestOutput:
     usage: Usage
     error: str | None = None
     logprobs: list[float | None] | None = None
+    hidden_state: torch.Tensor | None = None  # [hidden] float32 on CPU: a finished HiddenCapture, once
 
 
 def _default_num_blocks(model: CausalLM, options: EngineOptions, max_model_len: int) -> int:
@@ -105,6 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
         self._grammar: GrammarBackend | None = None
         self._seqs: dict[str, Sequence] = {}
+        self._capturing: set[str] = set()  # request ids with an unfinished HiddenCapture
         self._eos = set(tokenizer.eos_token_ids)
         self.quantization = "none"  # set by the factory when it quantizes the model
         self.num_steps = 0
@@ -120,11 +122,16 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def make_sequence(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = ""
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
+        capture: HiddenCapture | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence (safe from any thread; does not enqueue).
 
-        Raises PromptTooLongError, InvalidGrammarError, ValueError (empty prompt, bad token id).
+        ``capture`` asks for the mean hidden state of some prompt positions (see
+        :class:`HiddenCapture`); it arrives as ``RequestOutput.hidden_state``.
+
+        Raises PromptTooLongError, InvalidGrammarError, InvalidHiddenCaptureError (a layer the
+        model lacks, a span past the prompt), ValueError (empty prompt, bad token id).
         """
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -136,7 +143,9 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; the context window is {self.max_model_len} "
                 "(at least one token must be left for the output)"
             )
-        seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt)
+        if capture is not None:
+            self._check_capture(capture, len(prompt_token_ids))
+        seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt, capture=capture)
         if params.grammar is not None:
             seq.grammar = self.grammar_backend.new_state(params.grammar)
         if params.seed is not None:
@@ -145,16 +154,27 @@ class LLMEngine:
         seq.stop_checker = StopChecker(decoder, params.stop)
         return seq
 
+    def _check_capture(self, capture: HiddenCapture, num_prompt_tokens: int) -> None:
+        num_layers = self.model.config.num_layers
+        if capture.num_layers > num_layers:
+            raise InvalidHiddenCaptureError(f"capture.num_layers is {capture.num_layers}; the model has {num_layers}")
+        if capture.end > num_prompt_tokens:
+            raise InvalidHiddenCaptureError(f"capture spans end at {capture.end}, past the prompt's "
+                                            f"{num_prompt_tokens} tokens")
+
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self._seqs[seq.request_id] = seq
+        if seq.is_capturing:
+            self._capturing.add(seq.request_id)
         self.scheduler.add(seq)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = ""
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
+        capture: HiddenCapture | None = None,
     ) -> Sequence:
-        seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt)
+        seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt, capture=capture)
         self.add_sequence(seq)
         return seq
 
@@ -163,6 +183,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        self._capturing.discard(request_id)
         self.scheduler.finish(seq)
         seq.finish(FinishReason.ABORT)
         return self._output(seq, [], "")
@@ -190,15 +211,29 @@ class LLMEngine:
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        logits = self.runner.execute(chunks)
+        logits = self.runner.execute(chunks, capture=True) if self._capturing else self.runner.execute(chunks)
         self.num_steps += 1
         self.num_computed_tokens += sum(c.end - c.start for c in chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.token_ids[: chunk.end])
+        if self._capturing:
+            outputs.extend(self._captured(chunks))
         sampling = [c.seq for c in chunks if c.samples]
         if sampling and logits is not None:
             outputs.extend(self._sample(sampling, logits))
+        return outputs
+
+    def _captured(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Outputs for captures this step finished on chunks that do not sample (a sampled
+        token's output carries its capture itself)."""
+        outputs = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.request_id in self._capturing and seq.is_capture_done:
+                self._capturing.discard(seq.request_id)
+                if not chunk.samples:
+                    outputs.append(self._output(seq, [], ""))
         return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
@@ -242,16 +277,19 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._seqs.pop(seq.request_id, None)
+        self._capturing.discard(seq.request_id)
 
     def _finish_failed(self, seq: Sequence) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
+        self._capturing.discard(seq.request_id)
         return self._output(seq, [], "")
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         usage = Usage(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens, len(seq.output_token_ids), ttft)
         return RequestOutput(
-            seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs
+            seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs,
+            seq.take_hidden_state(),
         )
 
     # -- convenience -------------------------------------------------------------------------

@@ -8,8 +8,9 @@ import torch
 
 from .attention import AttentionMetadata
 from .block_manager import BlockManager
-from .model import CausalLM
+from .model import CausalLM, LayerCapture
 from .scheduler import ScheduledChunk
+from .sequence import Sequence
 
 __all__ = ["ModelRunner", "kv_bytes_per_token"]
 
@@ -30,19 +31,38 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def execute(self, chunks: Seq[ScheduledChunk]) -> torch.Tensor | None:
-        """One forward over every chunk; logits ``[S, V]`` for the chunks that sample, in order."""
+    def execute(self, chunks: Seq[ScheduledChunk], *, capture: bool = False) -> torch.Tensor | None:
+        """One forward over every chunk; logits ``[S, V]`` for the chunks that sample, in order.
+
+        ``capture``: some sequence may have a hidden-state capture pending (see
+        :meth:`_execute_capturing`).
+        """
         chunks = [c for c in chunks if c.end > c.start]
         if not chunks:
             return None
         meta, input_ids = self._metadata([(c.seq.request_id, c.seq.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
+        if capture:
+            return self._execute_capturing(chunks, meta, input_ids, ends)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             self.model(input_ids, meta.positions(), self.kv_cache, meta, logits_indices=ends[:1].to(self.device))
             return None
         logits_indices = ends[sampling].to(self.device)
         return self.model(input_ids, meta.positions(), self.kv_cache, meta, logits_indices=logits_indices)
+
+    def _execute_capturing(
+        self, chunks: list[ScheduledChunk], meta: AttentionMetadata, input_ids: torch.Tensor, ends: torch.Tensor
+    ) -> torch.Tensor | None:
+        """:meth:`execute`, adding the rows of each capturing sequence's positions in this batch
+        to it (:meth:`Sequence.add_captured`)."""
+        captures, parts = _captures(chunks, self.device)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        logits = self.model(input_ids, meta.positions(), self.kv_cache, meta,
+                            logits_indices=ends[sampling or [0]].to(self.device), captures=captures)
+        for seq, layer_capture, offset, count in parts:
+            seq.add_captured(layer_capture.hidden[offset:offset + count])
+        return logits if sampling else None
 
     @torch.inference_mode()
     def score(self, seq_id: str, token_ids: Seq[int], start: int, end: int) -> torch.Tensor:
@@ -79,3 +99,24 @@ class ModelRunner:
         """Write ``data`` (from :meth:`export_kv`) into ``block_ids``."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, index, data.to(self.device, self.kv_cache.dtype))
+
+
+def _captures(
+    chunks: list[ScheduledChunk], device: torch.device
+) -> tuple[list[LayerCapture], list[tuple[Sequence, LayerCapture, int, int]]]:
+    """The batch rows each capturing sequence wants, one LayerCapture per layer (sorted), and
+    where each sequence's rows are in it: ``(seq, capture, offset, count)``."""
+    rows: dict[int, list[int]] = {}
+    spans: list[tuple[Sequence, int, int, int]] = []
+    offset = 0
+    for chunk in chunks:
+        seq = chunk.seq
+        if seq.is_capturing and seq.capture is not None:
+            positions = seq.capture.positions(chunk.start, chunk.end)
+            if positions:
+                layer_rows = rows.setdefault(seq.capture.num_layers, [])
+                spans.append((seq, seq.capture.num_layers, len(layer_rows), len(positions)))
+                layer_rows.extend(offset + p - chunk.start for p in positions)
+        offset += chunk.end - chunk.start
+    captures = {n: LayerCapture(n, torch.tensor(r, dtype=torch.long, device=device)) for n, r in sorted(rows.items())}
+    return list(captures.values()), [(seq, captures[n], start, count) for seq, n, start, count in spans]

@@ -73,7 +73,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.token_ids
-            if not self.block_manager.can_allocate(tokens, salt=seq.salt):
+            # a pending hidden-state capture must compute its spans: no cached prefix past them
+            reuse = seq.capture.start if seq.is_capturing and seq.capture is not None else None
+            if not self.block_manager.can_allocate(tokens, salt=seq.salt, max_cached_tokens=reuse):
                 if not self.running:
                     # nothing will ever free blocks for it: fail it instead of waiting forever
                     self.waiting.popleft()
@@ -82,7 +84,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            allocation = self.block_manager.allocate(seq.request_id, tokens, salt=seq.salt)
+            allocation = self.block_manager.allocate(seq.request_id, tokens, salt=seq.salt, max_cached_tokens=reuse)
             seq.num_computed_tokens = allocation.num_cached_tokens
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = allocation.num_cached_tokens
@@ -111,6 +113,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         seq.num_computed_tokens = 0
+        seq.reset_capture()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._num_preemptions += 1

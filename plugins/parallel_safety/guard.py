@@ -14,13 +14,16 @@ Example::
             if "BEGIN PRIVATE KEY" in text:
                 return Verdict.block(self.name, "secret", 1.0)
             return Verdict.allow(self.name)
+
+A guard that can also judge the input from the serving model's own hidden states (a
+*fused* input check, see :mod:`.fused`) implements :class:`HiddenStateGuard` as well.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -58,12 +61,44 @@ class Guard(Protocol):
     async def check(self, text: str, *, stage: Stage) -> Verdict: ...
 
 
+@runtime_checkable
+class HiddenStateGuard(Protocol):
+    """A guard whose input check can run on the engine's hidden states instead of a forward
+    of its own (the fused check; the built-in classifier is one).
+
+    ``hidden_capture(model)`` gets the serving model's ``ModelConfig`` and returns
+    ``(num_layers, max_tokens)`` — the residual stream after that many decoder layers, averaged
+    over the first and last ``max_tokens / 2`` tokens of the text in the prompt — or None when
+    it has no weights for that model. ``check_hidden(hidden, stage=...)`` awaits that
+    ``[hidden]`` float32 tensor (it resolves when prefill passes the text) and returns the
+    verdict. Its timeout counts from the moment the tensor is there; a guard may start work
+    that does not need it (a lookup, a network round trip) before.
+    """
+
+    name: str
+
+    def hidden_capture(self, model: Any) -> tuple[int, int] | None: ...
+
+    async def check_hidden(self, hidden: Awaitable[Any], *, stage: Stage) -> Verdict: ...
+
+
 def guard_stages(guard: Any) -> Sequence[str]:
     return tuple(getattr(guard, "stages", STAGES))
 
 
+def is_hidden_state_guard(guard: Any) -> bool:
+    return callable(getattr(guard, "hidden_capture", None)) and callable(getattr(guard, "check_hidden", None))
+
+
 class DelayedGuard:
-    """``inner`` plus a fixed delay after each check: the bench's "real guard + N ms"."""
+    """``inner`` plus a fixed delay: the bench's "real guard + N ms".
+
+    A standalone check waits ``delay_s`` after the inner verdict. A fused check
+    (:meth:`check_hidden`, when ``inner`` has one) waits for the inner verdict and for
+    ``delay_s`` from the check's start, which is the request's start: the extra latency
+    runs alongside the prefill, as the standalone check's own delay does in the parallel
+    modes, instead of being pushed behind the capture.
+    """
 
     def __init__(self, inner: Guard, delay_s: float, stages: Sequence[str] | None = None) -> None:
         self.inner = inner
@@ -77,16 +112,25 @@ class DelayedGuard:
             await asyncio.sleep(self.delay_s)
         return verdict
 
+    def hidden_capture(self, model: Any) -> tuple[int, int] | None:
+        return self.inner.hidden_capture(model) if is_hidden_state_guard(self.inner) else None
+
+    async def check_hidden(self, hidden: Awaitable[Any], *, stage: Stage) -> Verdict:
+        verdict, _ = await asyncio.gather(self.inner.check_hidden(hidden, stage=stage), asyncio.sleep(self.delay_s))
+        return verdict
+
 
 async def run_check(guard: Guard, text: str, stage: Stage, *, timeout_s: float, fail_open: bool,
-                    ctx: Any = None) -> Verdict:
+                    ctx: Any = None, pending: Awaitable[Verdict] | None = None) -> Verdict:
     """Run one check under ``timeout_s``. An error or a timeout blocks (category
     ``guard_error`` / ``guard_timeout``) unless ``fail_open``, which lets it pass.
-    Records checks, outcomes and latency on ``ctx`` when given."""
+    Records checks, outcomes and latency on ``ctx`` when given. ``pending``: a check
+    already under way (a fused one) to wait for instead of calling ``guard.check``."""
     started = time.perf_counter()
     outcome = "pass"
     try:
-        verdict = await asyncio.wait_for(guard.check(text, stage=stage), timeout_s)
+        verdict = await asyncio.wait_for(pending if pending is not None else guard.check(text, stage=stage),
+                                         timeout_s)
         if not isinstance(verdict, Verdict):
             raise TypeError(f"guard {guard.name!r} returned {type(verdict).__name__}, not a Verdict")
         outcome = "pass" if verdict.passed else "block"

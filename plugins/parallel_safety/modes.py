@@ -13,6 +13,11 @@ Whatever the mode, the terminal event (``response.completed`` ...) waits for eve
 check, and a trip cancels the generation: the inner handler runs in a producer task
 that is cancelled, which aborts the engine request and frees its KV blocks.
 
+Fused input checks (parallel modes, a :class:`~.guard.HiddenStateGuard`, an engine that
+captures hidden states): the check waits for the request's own prefill to pass the new
+content (:mod:`.fused`), then judges the captured vector; the timeout counts from there.
+When no capture can be had, the guard checks the text the standalone way.
+
 Output chunks are windows over the generated tokens: the first ends after
 ``first_chunk_tokens``, then every ``chunk_tokens - overlap_tokens``, each window
 ``chunk_tokens`` long, so consecutive windows share ``overlap_tokens`` tokens and a
@@ -30,7 +35,8 @@ from typing import Any, Literal
 
 from loopstack.api.response_builder import ResponseBuilder
 
-from .guard import Guard, Stage, Verdict, guard_stages, run_check
+from .fused import text_capture
+from .guard import Guard, Stage, Verdict, guard_stages, is_hidden_state_guard, run_check
 
 Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
 MODES: tuple[Mode, ...] = ("sequential", "stream_then_cut", "hold_until_pass")
@@ -64,6 +70,12 @@ class Chunking:
 
 def input_text(items: list[dict[str, Any]]) -> str:
     """The new user and tool content of a request: what input guards check."""
+    return "\n".join(input_pieces(items))
+
+
+def input_pieces(items: list[dict[str, Any]]) -> list[str]:
+    """:func:`input_text` as its parts, in item order (each one a user message text, a tool
+    output, or a loaded tool's ``name: description``)."""
     parts: list[str] = []
     for item in items:
         kind = item.get("type", "message")
@@ -79,7 +91,31 @@ def input_text(items: list[dict[str, Any]]) -> str:
             # tools a search loaded: their descriptions come from (possibly untrusted) servers
             parts += [f"{t.get('name', '')}: {t.get('description', '')}" for t in item.get("tools") or []
                       if isinstance(t, dict)]
-    return "\n".join(p for p in parts if p)
+    return [p for p in parts if p]
+
+
+def _hidden_need(guard: Any, model: Any) -> tuple[int, int] | None:
+    try:
+        return guard.hidden_capture(model)
+    except Exception:  # noqa: BLE001 - e.g. weights that failed to load: its standalone check reports it
+        return None
+
+
+def _vector_of(capture: asyncio.Future[Any]) -> asyncio.Future[Any]:
+    """A future of the captured vector for one guard: its own, so that cancelling the guard's
+    check leaves the capture alone; cancelled when the capture is lost (resolves to None)."""
+    vector = capture.get_loop().create_future()
+
+    def relay(done: asyncio.Future[Any]) -> None:
+        if vector.done():
+            return
+        if done.cancelled() or done.result() is None:
+            vector.cancel()
+        else:
+            vector.set_result(done.result())
+
+    capture.add_done_callback(relay)
+    return vector
 
 
 class _Tripped(Exception):
@@ -93,10 +129,11 @@ class GuardedResponse:
     """The events of one response with its guards run around it (see the module doc)."""
 
     def __init__(self, job: Any, ctx: Any, plans: list[GuardPlan], inner: Callable[..., AsyncIterator[dict]],
-                 *, chunking: Chunking, tokenizer: Any) -> None:
+                 *, chunking: Chunking, tokenizer: Any, fused_input: bool = True) -> None:
         self.job, self.ctx, self.plans, self.inner = job, ctx, plans, inner
         self.chunking = chunking
         self.tokenizer = tokenizer
+        self.fused_input = fused_input
         self.started = time.perf_counter()
         self.token_ids: list[int] = []
         self.finished = False
@@ -109,15 +146,17 @@ class GuardedResponse:
         self.released_tokens = 0
         self.last_sequence = -1
         self.first_token_at: float | None = None
+        self.first_generated_at: float | None = None  # the inner handler's first token arrived
 
     # -- the stream ----------------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        text = input_text(self.job.prepared.new_items)
+        pieces = input_pieces(self.job.prepared.new_items)
+        text = "\n".join(pieces)
         try:
             try:
                 await self._sequential_inputs(text)
-                self._start(text)
+                self._start(text, pieces)
                 async for event in self._pump():
                     yield event
             except _Tripped as trip:
@@ -130,17 +169,21 @@ class GuardedResponse:
     async def _sequential_inputs(self, text: str) -> None:
         first = [(i, p) for i, p in enumerate(self.plans) if p.mode == "sequential" and p.applies("input") and text]
         verdicts = await asyncio.gather(*(self._check(p, text, "input") for _, p in first))
-        for (i, _), verdict in zip(first, verdicts):
+        for (i, plan), verdict in zip(first, verdicts):
+            self._observe_verdict(plan, "standalone")
             if not verdict.passed:
                 raise _Tripped(verdict, "input")
             self.input_passed[i] = True
             self.done.add((i, "input"))
 
-    def _start(self, text: str) -> None:
+    def _start(self, text: str, pieces: list[str]) -> None:
+        capture, fused = self._fuse(pieces) if text else (None, set())  # before the producer reaches the engine
         self.tasks.append(asyncio.create_task(self._produce()))
         for i, plan in enumerate(self.plans):
             if (i, "input") not in self.done:
-                if plan.applies("input") and text:
+                if capture is not None and i in fused:
+                    self.tasks.append(asyncio.create_task(self._fused_input_check(i, plan, text, capture)))
+                elif plan.applies("input") and text:
                     self.tasks.append(asyncio.create_task(self._input_check(i, plan, text)))
                 else:
                     self.input_passed[i] = True
@@ -165,6 +208,8 @@ class GuardedResponse:
                 if value.get("type") in TEXT_DELTAS and value.get("delta"):
                     ids = self.tokenizer.encode(value["delta"])
                     num = len(ids)
+                    if num and self.first_generated_at is None:
+                        self.first_generated_at = time.perf_counter()
                     self.token_ids.extend(ids)
                     async with self.grew:
                         self.grew.notify_all()
@@ -192,6 +237,10 @@ class GuardedResponse:
             self.first_token_at = time.perf_counter()
             self.ctx.observe("parallel_safety_first_token_seconds", self.first_token_at - self.started,
                              help="time from request to first released token")
+            if self.first_generated_at is not None:
+                self.ctx.observe("parallel_safety_first_token_held_seconds",
+                                 self.first_token_at - self.first_generated_at,
+                                 help="time the first generated token waited for the checks")
         self.released_tokens += num_tokens
 
     # -- background work -----------------------------------------------------------------------
@@ -213,8 +262,61 @@ class GuardedResponse:
         return await run_check(plan.guard, text, stage, timeout_s=plan.timeout_s, fail_open=plan.fail_open,
                                ctx=self.ctx)
 
+    def _fuse(self, pieces: list[str]) -> tuple[asyncio.Future[Any] | None, set[int]]:
+        """Ask the service for the hidden states the fused input checks need: the capture's
+        future and the plans it serves (those of the first guard's layer and length)."""
+        candidates = {i: plan for i, plan in enumerate(self.plans) if plan.mode != "sequential"
+                      and plan.applies("input") and is_hidden_state_guard(plan.guard)}
+        if not (self.fused_input and candidates):
+            return None, set()
+        service, prepared = self.job.service, self.job.prepared
+        model = service.hidden_state_model() if hasattr(service, "request_hidden_state") else None
+        needs = {i: _hidden_need(plan.guard, model) for i, plan in candidates.items()} if model is not None else {}
+        spec = next((need for need in needs.values() if need is not None), None)
+        capture = (text_capture(self.tokenizer, prepared.prompt_ids, pieces, num_layers=spec[0], max_tokens=spec[1])
+                   if spec is not None else None)
+        future = None
+        if capture is not None:
+            try:
+                future = service.request_hidden_state(prepared, capture)
+            except ValueError:  # another middleware captures something else for this request
+                future = None
+        fused = {i for i, need in needs.items() if need == spec} if future is not None else set()
+        for i, plan in candidates.items():
+            self._count_fused(plan, "fused" if i in fused else "unfused")
+        return future, fused
+
+    def _count_fused(self, plan: GuardPlan, outcome: str) -> None:
+        self.ctx.count("parallel_safety_fused_checks_total", help="input checks of hidden-state guards: fused "
+                       "(a capture asked for), unfused (none possible), lost (a fused one checked standalone)",
+                       guard=plan.guard.name, outcome=outcome)
+
+    async def _fused_input_check(self, i: int, plan: GuardPlan, text: str, capture: asyncio.Future[Any]) -> None:
+        pending = asyncio.ensure_future(plan.guard.check_hidden(_vector_of(capture), stage="input"))
+        try:
+            hidden = await asyncio.shield(capture)  # the prefill passing the text: not the guard's time
+        except BaseException:
+            pending.cancel()
+            raise
+        if hidden is None:  # the generation ended first: judge the text the standalone way
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+            self._count_fused(plan, "lost")
+            verdict = await self._check(plan, text, "input")
+        else:
+            verdict = await run_check(plan.guard, text, "input", timeout_s=plan.timeout_s, fail_open=plan.fail_open,
+                                      ctx=self.ctx, pending=pending)
+        self._input_verdict(i, plan, verdict, "standalone" if hidden is None else "fused")
+
     async def _input_check(self, i: int, plan: GuardPlan, text: str) -> None:
-        verdict = await self._check(plan, text, "input")
+        self._input_verdict(i, plan, await self._check(plan, text, "input"), "standalone")
+
+    def _observe_verdict(self, plan: GuardPlan, path: str) -> None:
+        self.ctx.observe("parallel_safety_input_verdict_seconds", time.perf_counter() - self.started,
+                         help="time from the request to its input verdict", guard=plan.guard.name, path=path)
+
+    def _input_verdict(self, i: int, plan: GuardPlan, verdict: Verdict, path: str) -> None:
+        self._observe_verdict(plan, path)
         if not verdict.passed:
             self.queue.put_nowait(("trip", _Tripped(verdict, "input")))
             return

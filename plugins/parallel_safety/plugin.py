@@ -46,7 +46,8 @@ class BuiltinGuards:
                 from .classifier import ClassifierGuard
 
                 self._classifier = ClassifierGuard(threshold=self.config.classifier_threshold,
-                                                   threads=self.config.classifier_threads)
+                                                   threads=self.config.classifier_threads,
+                                                   fused=self.config.fused_input)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the first check that needs it
             self._error = exc
         finally:
@@ -63,7 +64,8 @@ class BuiltinGuards:
 
 class LazyClassifier:
     """The classifier guard, usable before its weights finish loading: ``ready`` waits
-    for them (outside any check's timeout), ``check`` classifies."""
+    for them (outside any check's timeout), ``check`` classifies, ``check_hidden`` too
+    from captured hidden states (a fused input check)."""
 
     name = "smollm2_classifier"
     stages = ("input", "output")
@@ -76,6 +78,12 @@ class LazyClassifier:
 
     async def check(self, text: str, *, stage: Any) -> Any:
         return await self.owner.classifier().check(text, stage=stage)
+
+    def hidden_capture(self, model: Any) -> tuple[int, int] | None:
+        return self.owner.classifier().hidden_capture(model)
+
+    async def check_hidden(self, hidden: Any, *, stage: Any) -> Any:
+        return await self.owner.classifier().check_hidden(hidden, stage=stage)
 
 
 def plans_for(config: ParallelSafetyConfig, guards: list[Guard], model: str) -> list[GuardPlan]:
@@ -112,7 +120,7 @@ def response_middleware(config: ParallelSafetyConfig) -> Any:
                 if ready is not None:
                     await ready()
             guarded = GuardedResponse(job, ctx, plans, next_handler, chunking=chunking,
-                                      tokenizer=job.service.engine.tokenizer)
+                                      tokenizer=job.service.engine.tokenizer, fused_input=config.fused_input)
             async for event in guarded.events():
                 yield event
 

@@ -148,3 +148,44 @@ def tiny_async_engine(num_kv_blocks: int = 128) -> Any:
     return AsyncEngine(LLMEngine(build_tiny_model(tie_word_embeddings=False), byte_tokenizer(), options))
 
 
+
+
+class FusedGuard(ScriptedGuard):
+    """A ScriptedGuard that also runs fused: ``check_hidden`` gets the captured hidden state,
+    records ``(vector, arrived_at)``, waits ``hidden_delay_s`` and blocks when ``block_hidden``."""
+
+    def __init__(self, name: str = "fused", *, block_hidden: bool = False, hidden_delay_s: float = 0.0,
+                 num_layers: int = 1, max_tokens: int = 256, **kwargs: Any) -> None:
+        super().__init__(name, **{"stages": ("input",), **kwargs})
+        self.block_hidden, self.hidden_delay_s = block_hidden, hidden_delay_s
+        self.num_layers, self.max_tokens = num_layers, max_tokens
+        self.hidden_checks: list[tuple[Any, float]] = []
+        self.verdicts_at: list[float] = []
+
+    def hidden_capture(self, model: Any) -> tuple[int, int] | None:
+        return self.num_layers, self.max_tokens
+
+    async def check_hidden(self, hidden: Any, *, stage: str) -> Verdict:
+        vector = await hidden
+        self.hidden_checks.append((vector, time.perf_counter()))
+        await asyncio.sleep(self.hidden_delay_s)
+        self.verdicts_at.append(time.perf_counter())
+        if self.block_hidden:
+            return Verdict.block(self.name, self.category, 0.99)
+        return Verdict.allow(self.name, 0.01)
+
+
+def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Prompt ids of ``text`` inside a chat-like frame (the tiny engine has no chat template)."""
+    return tokenizer.encode(f"<sys>be kind</sys>\n<user>{text}</user>\n<assistant>")
+
+
+def counter(runtime: StackRuntime, name: str) -> dict[str, float]:
+    """A counter's values by its ``outcome`` label (summed over the other labels)."""
+    out: dict[str, float] = {}
+    for metric in runtime.metrics.snapshot()["metrics"]:
+        if metric["name"] == name:
+            for series in metric["series"]:
+                key = series["labels"].get("outcome", "")
+                out[key] = out.get(key, 0) + series["value"]
+    return out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from kernel_support import SHARED_DATA
 from loopstack.plugins.parallel_safety.classifier import (
+    IN_CONTEXT_WEIGHTS_PATH,
     WEIGHTS_PATH,
     LogisticHeads,
     precision_recall,
@@ -30,6 +31,21 @@ def test_held_out_figures_are_recorded_with_the_weights():
     held_out = LogisticHeads.load().report["held_out"]
     assert held_out["n"] >= 400
     assert held_out["precision"] >= 0.9 and held_out["recall"] >= 0.9
+
+
+def test_in_context_weights_record_their_model_and_held_out_figures():
+    from types import SimpleNamespace
+
+    heads = LogisticHeads.load(IN_CONTEXT_WEIGHTS_PATH)
+    assert IN_CONTEXT_WEIGHTS_PATH.stat().st_size < 64_000
+    assert heads.coef.shape == (2, 576) and (heads.num_layers, heads.max_tokens) == (8, 256)
+    assert heads.report["features"] == "in_context"
+    held_out = heads.report["held_out"]
+    assert held_out["n"] >= 400 and held_out["precision"] >= 0.9 and held_out["recall"] >= 0.9
+    smollm2 = SimpleNamespace(architecture="llama", hidden_size=576, num_layers=30, vocab_size=49152)
+    assert heads.fits_model(smollm2)
+    assert not heads.fits_model(SimpleNamespace(architecture="llama", hidden_size=64, num_layers=2, vocab_size=256))
+    assert not LogisticHeads.load().fits_model(smollm2)  # standalone weights are never fused
 
 
 def test_scores_follow_the_logistic_formula():
