@@ -1,4 +1,5 @@
-"""Deferred tool discovery: a BM25 ``tool_search`` tool instead of every schema up front.
+"""Deferred tool discovery: a ``tool_search`` tool (BM25, fused with MiniLM sentence
+embeddings by default) instead of every schema up front.
 
 DESIGN.md technique 1; docs/techniques/tool-search.md. The plugin class lives in
 :mod:`.plugin`; this module is what the plugin catalog and the bench registry load.

