@@ -37,6 +37,17 @@ class Session:
             self._state[plugin] = factory()
         return self._state[plugin]
 
+    def close(self) -> None:
+        """End the session: every state object with a ``close()`` method is closed (in the
+        order they were made), then forgotten. Safe to call twice. A state object that holds
+        an outside resource (a V8 context, a connection) should also release it when the
+        session is garbage-collected without being closed (``weakref.finalize``)."""
+        states, self._state = list(self._state.values()), {}
+        for state in states:
+            close = getattr(state, "close", None)
+            if callable(close):
+                close()
+
 
 class RequestContext:
     """Everything a hook needs to know about the request being served."""

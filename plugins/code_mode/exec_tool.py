@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +58,44 @@ def exec_description(
     return "\n".join(lines)
 
 
+def _dispose(sandbox: V8Sandbox) -> None:
+    """Close ``sandbox`` on its own event loop (a finalizer may run on any thread), or here
+    when that loop is gone."""
+    try:
+        sandbox.loop.call_soon_threadsafe(sandbox.close)
+    except RuntimeError:  # the loop is closed
+        sandbox.close()
+
+
 @dataclass
 class _SessionContexts:
-    """Code Mode's session state: the V8 context of ``context = "session"``."""
+    """Code Mode's session state: the V8 context of ``context = "session"``.
+
+    The context is disposed by :meth:`close` (``Session.close()``), or when the session is
+    garbage-collected: a server makes a ``Session`` per request, and nothing else would
+    ever release the V8 isolate behind it.
+    """
 
     sandbox: V8Sandbox | None = None
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    _finalizer: weakref.finalize | None = None
+
+    def adopt(self, sandbox: V8Sandbox, session: object) -> None:
+        """Make ``sandbox`` the session's context, disposed with ``session`` at the latest."""
+        if sandbox is self.sandbox:
+            return
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self.sandbox = sandbox
+        self._finalizer = weakref.finalize(session, _dispose, sandbox)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self.sandbox is not None:
+            _dispose(self.sandbox)
+            self.sandbox = None
 
 
 class ExecTool:
@@ -95,8 +128,9 @@ class ExecTool:
             if self.config.context == "session":
                 state = self.ctx.session.state(PLUGIN_NAME, _SessionContexts)
                 async with state.lock:
-                    state.sandbox = await self._reuse(state.sandbox)
-                    outcome = await state.sandbox.run(code, tools, self._call_tool, timeout_s=self.config.timeout_s)
+                    sandbox = await self._reuse(state.sandbox)
+                    state.adopt(sandbox, self.ctx.session)
+                    outcome = await sandbox.run(code, tools, self._call_tool, timeout_s=self.config.timeout_s)
             else:
                 sandbox = await self._start()
                 try:

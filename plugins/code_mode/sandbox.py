@@ -151,6 +151,11 @@ class V8Sandbox:
     def is_closed(self) -> bool:
         return self._is_closed
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this context delivers its callbacks to."""
+        return self._loop
+
     def is_usable_here(self) -> bool:
         """Open, and bound to the running event loop (a context serves one loop)."""
         return not self._is_closed and asyncio.get_running_loop() is self._loop

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 from typing import Annotated, ClassVar, Literal
 
@@ -184,6 +186,33 @@ def test_session_context_keeps_stored_values_between_programs(tmp_path):
     assert "store(key, value)" in model.requests[0]["tools"][-1]["description"]
     texts = [e.result_text for e in exec_results(result)]
     assert texts == ['"stored"', '[["Paris","Oslo"],true,"number"]']
+
+
+def _session_sandbox(agent):
+    return agent.session.state("code_mode", lambda: None).sandbox
+
+
+@pytest.mark.parametrize("ending", ["close", "garbage"])
+def test_session_context_is_disposed_with_its_session(tmp_path, ending):
+    table = CODE_MODE_ON + 'context = "session"\n'
+    runtime = runtime_for(tmp_path, table)
+    outputs = [[exec_item("store('k', 1); return 'ok'", "c1")], [text_item("ok")]]
+
+    async def main():
+        agent = Agent(ScriptedModel(outputs), [get_weather], instructions="Use tools.", runtime=runtime)
+        await agent.run("task")
+        sandbox = _session_sandbox(agent)
+        assert sandbox is not None and not sandbox.is_closed
+        if ending == "close":
+            agent.session.close()
+            agent.session.close()  # twice is harmless
+        else:  # a server's per-request Session simply goes away
+            del agent
+            gc.collect()
+        await asyncio.sleep(0)  # the disposal is scheduled on the sandbox's loop
+        return sandbox
+
+    assert run(main).is_closed
 
 
 def test_exec_context_is_fresh_for_every_program(tmp_path):
