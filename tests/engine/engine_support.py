@@ -70,9 +70,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def dense_reference(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
-    """``[S, vocab]`` logits of one sequence, written independently of the model code:
-    HF-named weights, rotate_half RoPE, repeated KV heads, an explicit causal softmax."""
+def dense_residual(model: CausalLM, token_ids: Sequence[int], num_layers: int | None = None) -> torch.Tensor:
+    """``[S, hidden]`` residual stream of one sequence after ``num_layers`` layers (all when
+    None), written independently of the model code: HF-named weights, rotate_half RoPE,
+    repeated KV heads, an explicit causal softmax."""
     c, w = model.config, model.hf_state_dict()
     ids = torch.tensor(token_ids)
     seq_len, group = len(token_ids), c.num_heads // c.num_kv_heads
@@ -83,7 +84,7 @@ def dense_reference(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     if c.sliding_window is not None:
         causal &= ~torch.ones(seq_len, seq_len, dtype=torch.bool).tril(-c.sliding_window)
     x = w["model.embed_tokens.weight"][ids]  # [S, hidden]
-    for i in range(c.num_layers):
+    for i in range(c.num_layers if num_layers is None else num_layers):
         p = f"model.layers.{i}."
 
         def proj(name: str, h: torch.Tensor, heads: int, p: str = p) -> torch.Tensor:
@@ -100,7 +101,13 @@ def dense_reference(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
         h = _rms(x, w[f"{p}post_attention_layernorm.weight"], c.rms_norm_eps)
         gate = F.linear(h, w[f"{p}mlp.gate_proj.weight"])
         x = x + F.linear(F.silu(gate) * F.linear(h, w[f"{p}mlp.up_proj.weight"]), w[f"{p}mlp.down_proj.weight"])
-    x = _rms(x, w["model.norm.weight"], c.rms_norm_eps)
+    return x
+
+
+def dense_reference(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """``[S, vocab]`` logits of one sequence from :func:`dense_residual`."""
+    c, w = model.config, model.hf_state_dict()
+    x = _rms(dense_residual(model, token_ids), w["model.norm.weight"], c.rms_norm_eps)
     return F.linear(x, w.get("lm_head.weight", w["model.embed_tokens.weight"]))
 
 

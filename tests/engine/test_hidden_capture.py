@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 import torch
-import torch.nn.functional as F
-from engine_support import _rms, _rotate_half
+from engine_support import dense_residual
 from loopstack.engine import AsyncEngine
 from loopstack.engine.model import CausalLM
 from loopstack.engine.sampling_params import (
@@ -23,31 +22,8 @@ SPANS = ((9, 27), (40, 55))
 
 
 def reference_hidden(model: CausalLM, token_ids: list[int], num_layers: int) -> torch.Tensor:
-    """``[S, hidden]`` residual stream after ``num_layers`` layers: a dense causal forward over the
-    HF-named weights, written independently of the paged model code."""
-    c, w = model.config, model.hf_state_dict()
-    n, group = len(token_ids), c.num_heads // c.num_kv_heads
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-    angles = torch.outer(torch.arange(n).float(), inv_freq).repeat(1, 2)
-    cos, sin = angles.cos(), angles.sin()
-    x = w["model.embed_tokens.weight"][torch.tensor(token_ids)]  # [S, hidden]
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-
-        def proj(name: str, h: torch.Tensor, heads: int, p: str = p) -> torch.Tensor:
-            out = F.linear(h, w[f"{p}self_attn.{name}.weight"], w.get(f"{p}self_attn.{name}.bias"))
-            return out.view(n, heads, c.head_dim).transpose(0, 1)  # [heads, S, D]
-
-        h = _rms(x, w[f"{p}input_layernorm.weight"], c.rms_norm_eps)
-        q, k, v = proj("q_proj", h, c.num_heads), proj("k_proj", h, c.num_kv_heads), proj("v_proj", h, c.num_kv_heads)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [H, S, D]
-        x = x + F.linear(attn.transpose(0, 1).reshape(n, -1), w[f"{p}self_attn.o_proj.weight"])
-        h = _rms(x, w[f"{p}post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate = F.linear(h, w[f"{p}mlp.gate_proj.weight"])
-        x = x + F.linear(F.silu(gate) * F.linear(h, w[f"{p}mlp.up_proj.weight"]), w[f"{p}mlp.down_proj.weight"])
-    return x
+    """``[S, hidden]`` residual stream after ``num_layers`` layers, from the dense reference."""
+    return dense_residual(model, token_ids, num_layers)
 
 
 def span_mean(hidden: torch.Tensor, spans) -> torch.Tensor:
