@@ -11,6 +11,19 @@ from kernel_support import Recorder
 
 from loopstack import PluginCatalog
 
+
+@pytest.fixture(scope="session")
+def loopstack_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("loopstack-cache")
+
+
+@pytest.fixture(autouse=True)
+def _no_writes_to_the_home_cache(loopstack_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches (tool_search's vectors) go to one tmp dir per session, never ~/.cache; a test
+    may point LOOPSTACK_CACHE_DIR elsewhere with its own monkeypatch.setenv."""
+    monkeypatch.setenv("LOOPSTACK_CACHE_DIR", str(loopstack_cache_dir))
+
+
 @pytest.fixture
 def catalog() -> PluginCatalog:
     Recorder.calls = []

@@ -8,6 +8,7 @@ added, changed or dropped touch the index (and, for the hybrid retriever, get em
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ class CatalogIndex:
         self.infos: dict[str, ToolInfo] = {}
         self.num_syncs = 0
         self._description: tuple[tuple[ToolInfo, ...], str] | None = None
+        # sessions share a catalog and search from a worker thread (:mod:`.worker`) or inline
+        self.lock = threading.RLock()
 
     @property
     def retriever(self) -> str:
@@ -62,6 +65,10 @@ class CatalogIndex:
     def sync(self, infos: Sequence[ToolInfo]) -> SyncResult:
         """Make the index hold exactly ``infos`` (keyed by name), touching only what changed;
         new and changed tools are embedded before it returns (hybrid)."""
+        with self.lock:
+            return self._sync(infos)
+
+    def _sync(self, infos: Sequence[ToolInfo]) -> SyncResult:
         started = time.perf_counter()
         current = {info.name: info for info in infos}
         added = changed = 0
@@ -81,7 +88,8 @@ class CatalogIndex:
         return SyncResult(added, changed, len(removed), time.perf_counter() - started)
 
     def search(self, query: str, limit: int) -> list[Hit]:
-        return self.index.search(query, limit)
+        with self.lock:
+            return self.index.search(query, limit)
 
     def description(self, infos: Sequence[ToolInfo]) -> str:
         """``tool_search``'s description for ``infos``, recomputed only when they change

@@ -27,12 +27,14 @@ from .minilm import (
     EmbeddingModelUnavailable,
     model_zip_path,
 )
+from .vector_store import VectorStore
 
 __all__ = ["Embedder", "EmbedderStatistics", "default_dtype", "load_embedder", "text_key"]
 
 DEFAULT_MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 DEFAULT_MAX_QUERY_TOKENS = 64  # a query's first 64 tokens rank as well as its first 256 (measured)
 _BATCH_TOKENS = 4096  # padded tokens per forward when encoding many texts
+_POOLING = "mean"  # mean_pool: the mean of the real tokens' states, L2-normalized
 
 
 class EmbedderStatistics(NamedTuple):
@@ -40,6 +42,7 @@ class EmbedderStatistics(NamedTuple):
     num_cache_hits: int  # texts answered from the cache
     num_cached: int
     num_query_hits: int
+    num_store_hits: int  # texts answered from the on-disk vector store
 
 
 def text_key(text: str) -> str:
@@ -51,7 +54,9 @@ class Embedder:
     """all-MiniLM-L6-v2: texts -> L2-normalized 384-d vectors (cosine = dot product).
 
     Document vectors are cached by the sha256 of their text, so re-indexing a catalog only
-    encodes the tools whose text changed; the last few hundred queries are cached too.
+    encodes the tools whose text changed; the last few hundred queries are cached too. With
+    a ``store``, document vectors are also kept on disk under :attr:`model_key`, so a new
+    process encodes only what no earlier one did.
 
     Args:
         encoder: the BERT forward.
@@ -61,11 +66,12 @@ class Embedder:
             and its first 64 tokens find what its first 256 do.
         max_cached: document vectors kept (least recently used dropped first).
         max_cached_queries: query vectors kept.
+        store: document vectors on disk, shared with other processes; None: memory only.
     """
 
     def __init__(self, encoder: BertEncoder, tokenizer: object, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                  max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS, max_cached: int = 50_000,
-                 max_cached_queries: int = 512) -> None:
+                 max_cached_queries: int = 512, store: VectorStore | None = None) -> None:
         from tokenizers import Tokenizer
 
         if not isinstance(tokenizer, Tokenizer):
@@ -82,7 +88,8 @@ class Embedder:
         self.max_cached, self.max_cached_queries = max_cached, max_cached_queries
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._queries: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._num_encoded = self._num_hits = self._num_query_hits = 0
+        self.store = store
+        self._num_encoded = self._num_hits = self._num_query_hits = self._num_store_hits = 0
 
     def _ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
         ids = [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
@@ -124,17 +131,41 @@ class Embedder:
             return mean_pool(self.encoder(input_ids))
         return mean_pool(self.encoder(input_ids, mask), mask)
 
+    @property
+    def model_key(self) -> str:
+        """What a document's vector depends on besides its text: the key of its rows in the
+        store. A change to the forward that changes vectors (e.g. quantized weights) adds a
+        part here. The weights are the pinned ones: the loader refuses any others."""
+        parts = {
+            "weights": WEIGHTS_SHA256,
+            "dtype": str(self.encoder.dtype).removeprefix("torch."),  # bfloat16 and float32 differ slightly
+            "packed": int(self.encoder.is_packed),  # oneDNN-packed linears round differently
+            "max_tokens": self.max_tokens,
+            "pooling": _POOLING,
+        }
+        return "all-MiniLM-L6-v2;" + ";".join(f"{name}={value}" for name, value in parts.items())
+
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
-        """Vectors of ``texts``, from the cache where the same text was seen; ``[N, dim]``."""
+        """Vectors of ``texts``, from the memory cache, else the store, else encoded (and
+        then stored, in one transaction); ``[N, dim]``."""
         keys = [text_key(text) for text in texts]
-        missing = list({key: text for key, text in zip(keys, texts) if key not in self._cache}.items())
+        missing = {key: text for key, text in zip(keys, texts) if key not in self._cache}
+        num_memory_hits = len(keys) - len(missing)
+        if missing and self.store is not None:
+            for key, vector in self.store.get_many(self.model_key, list(missing)).items():
+                if vector.shape == (self.dim,):
+                    self._cache[key] = vector
+                    del missing[key]
+                    self._num_store_hits += 1
         if missing:
-            for (key, _), vector in zip(missing, self.encode([text for _, text in missing])):
-                self._cache[key] = vector
+            vectors = self.encode(list(missing.values()))
+            self._cache.update(zip(missing, vectors))
+            if self.store is not None:
+                self.store.put_many(self.model_key, zip(missing, vectors))
         out = np.stack([self._cache[key] for key in keys]) if keys else np.zeros((0, self.dim), np.float32)
         for key in keys:
             self._cache.move_to_end(key)
-        self._num_hits += len(keys) - len(missing)
+        self._num_hits += num_memory_hits
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
         return out
@@ -166,7 +197,8 @@ class Embedder:
         self._queries.clear()
 
     def statistics(self) -> EmbedderStatistics:
-        return EmbedderStatistics(self._num_encoded, self._num_hits, len(self._cache), self._num_query_hits)
+        return EmbedderStatistics(self._num_encoded, self._num_hits, len(self._cache), self._num_query_hits,
+                                  self._num_store_hits)
 
 
 def _read_model(path: Path) -> tuple[BertConfig, dict[str, torch.Tensor], str]:
@@ -207,7 +239,7 @@ def default_dtype() -> torch.dtype:
 
 @functools.lru_cache(maxsize=4)
 def load_embedder(*, max_tokens: int = DEFAULT_MAX_TOKENS, max_query_tokens: int = DEFAULT_MAX_QUERY_TOKENS,
-                  dtype: torch.dtype | None = None) -> Embedder:
+                  dtype: torch.dtype | None = None, vector_cache: str | None = None) -> Embedder:
     """The all-MiniLM-L6-v2 :class:`Embedder`, loaded once per process and settings
     (about a second: the zip is read and the weights' sha256 checked).
 
@@ -215,6 +247,8 @@ def load_embedder(*, max_tokens: int = DEFAULT_MAX_TOKENS, max_query_tokens: int
         max_tokens: documents are cut to this many tokens.
         max_query_tokens: queries are cut to this many tokens.
         dtype: of the weights and activations; None for :func:`default_dtype`.
+        vector_cache: the file of the on-disk :class:`.vector_store.VectorStore` (an
+            absolute path: it is part of this function's cache key); None: memory only.
 
     Raises:
         EmbeddingModelUnavailable: the package is not installed, or its weights do not
@@ -224,5 +258,6 @@ def load_embedder(*, max_tokens: int = DEFAULT_MAX_TOKENS, max_query_tokens: int
 
     config, state_dict, tokenizer_json = _read_model(model_zip_path())
     encoder = BertEncoder(config, state_dict, dtype=dtype or default_dtype())
+    store = VectorStore(vector_cache) if vector_cache is not None else None
     return Embedder(encoder, Tokenizer.from_str(tokenizer_json), max_tokens=max_tokens,
-                    max_query_tokens=max_query_tokens)
+                    max_query_tokens=max_query_tokens, store=store)

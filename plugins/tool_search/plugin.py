@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopstack.context import RequestContext
@@ -12,7 +13,7 @@ from loopstack.harness.tool import ToolResult
 from loopstack.markers import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 from loopstack.tools import ToolInfo, ToolSet
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .catalog import CatalogCache
 from .docs import function_tool
@@ -21,6 +22,8 @@ from .minilm import EmbeddingModelUnavailable, model_zip_path
 from .schema_tokens import TokenizerUnavailable, schema_tokens
 from .search import SEARCH_TOOL_NAME, ToolSearchTool
 from .state import STATE_KEY, RequestTools, SessionTools
+from .vector_store import default_path
+from .worker import SearchWorker
 
 if TYPE_CHECKING:
     from .embedder import Embedder
@@ -57,6 +60,34 @@ class ToolSearchConfig(PluginConfig):
         0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"
     )
     max_query_tokens: int = Field(64, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
+    search_threads: int = Field(
+        1, ge=1, le=64, description="torch threads of the search thread (the hybrid's query forward); 1 keeps a "
+        "busy machine from stalling it"
+    )
+    vector_cache: str = Field(
+        "default", description="hybrid: tool vectors on disk, shared by processes: 'default' "
+        "($LOOPSTACK_CACHE_DIR/tool_search/vectors.sqlite3, else $XDG_CACHE_HOME/loopstack/..., else "
+        "~/.cache/loopstack/...), '' for none, or the path of a file"
+    )
+
+    @field_validator("vector_cache")
+    @classmethod
+    def _check_vector_cache(cls, value: str) -> str:
+        if value in ("default", ""):
+            return value
+        problem = ("it is blank" if not value.strip() else "it holds a NUL character" if "\0" in value
+                   else "that is a directory" if Path(value).expanduser().is_dir() else None)
+        if problem is not None:
+            raise ValueError(f"vector_cache should be 'default', '' (no disk cache) or the path of a file; "
+                             f"got {value!r}: {problem}")
+        return value
+
+    def vector_cache_path(self) -> Path | None:
+        """The file ``vector_cache`` names now: None for ``""``; a relative path is taken
+        from the current directory."""
+        if self.vector_cache == "default":
+            return default_path()
+        return Path(self.vector_cache).expanduser().absolute() if self.vector_cache else None
 
 
 class ToolSearch(Plugin):
@@ -83,6 +114,7 @@ class ToolSearch(Plugin):
         self.weights = FieldWeights(name=cfg.weight_name, namespace=cfg.weight_namespace, title=cfg.weight_title,
                                     description=cfg.weight_description, parameters=cfg.weight_parameters)
         self.retriever: str = cfg.retriever  # what searches use: "bm25" after a fallback
+        self.vector_cache = cfg.vector_cache_path()  # resolved once: a later chdir or env change moves nothing
         if self.retriever == "hybrid":
             try:
                 model_zip_path()
@@ -92,6 +124,11 @@ class ToolSearch(Plugin):
                                      max_hinted_namespaces=cfg.max_hinted_namespaces, embedder=self.embedder,
                                      dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity)
         self._tokens_unavailable = False
+        self.worker = SearchWorker(torch_threads=cfg.search_threads)  # searches run off the event loop
+
+    @hookimpl
+    def loopstack_unconfigure(self, runtime: Any) -> None:
+        self.worker.close()
 
     # -- the retriever -------------------------------------------------------------------
 
@@ -107,7 +144,8 @@ class ToolSearch(Plugin):
         try:
             from .embedder import load_embedder  # imports torch
 
-            return load_embedder(max_query_tokens=self.config.max_query_tokens)
+            vector_cache = str(self.vector_cache) if self.vector_cache is not None else None
+            return load_embedder(max_query_tokens=self.config.max_query_tokens, vector_cache=vector_cache)
         except EmbeddingModelUnavailable as error:  # e.g. the weights fail their sha256 check
             self._fall_back(error)
             return None
@@ -123,7 +161,8 @@ class ToolSearch(Plugin):
 
     @hookimpl
     def loopstack_extra_tools(self, ctx: RequestContext) -> list[Any]:
-        return [ToolSearchTool(ctx, top_k=self.config.top_k, max_query_chars=self.config.max_query_chars)]
+        return [ToolSearchTool(ctx, top_k=self.config.top_k, max_query_chars=self.config.max_query_chars,
+                               worker=self.worker)]
 
     @hookimpl
     def loopstack_visible_tools(self, tools: ToolSet, ctx: RequestContext) -> None:

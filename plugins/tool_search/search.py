@@ -16,10 +16,12 @@ from loopstack.harness.tool import ToolResult
 from loopstack.tools import ToolInfo
 
 from .docs import function_tool
+from .index import Hit
 from .namespaces import namespace_lines
 from .state import STATE_KEY, RequestTools, SessionTools
+from .worker import SearchWorker
 
-__all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_tools"]
+__all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_tools", "search_tools_async"]
 
 SEARCH_TOOL_NAME = "tool_search"
 MAX_LIMIT = 50
@@ -51,32 +53,34 @@ def _namespaces_text(tools: RequestTools) -> str:
     return "\n".join(namespace_lines(list(tools.deferred.values()), max_hinted=0))
 
 
-def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars: int = 2000) -> ToolResult:
-    """Search this request's deferred tools and load the best ``limit`` into the session.
-
-    Args:
-        ctx: the request (its deferred tools come from ``loopstack_visible_tools``).
-        query: what the model wants to do, or a tool name; longer than ``max_query_chars``
-            is cut (a pasted document still finds something, in bounded time).
-        limit: at most this many tools.
-
-    Returns:
-        A result listing what was found; ``loaded_tools`` holds the schemas of the tools
-        this session had not loaded yet (empty when every hit was already loaded). An empty
-        query is an error; no match is not (it says so and lists the namespaces).
-    """
+def _check(ctx: RequestContext, query: str) -> ToolResult | None:
+    """The error result for a query that cannot be searched, or None."""
     tools = ctx.state(STATE_KEY, RequestTools)
-    session = ctx.session.state(STATE_KEY, SessionTools)
-    query = query.strip()[:max_query_chars]
     if not query:
         return ToolResult("tool_search needs a non-empty query: describe the task or name a tool. "
                           f"Namespaces:\n{_namespaces_text(tools)}", is_error=True)
     if tools.catalog is None or not tools.deferred:
         return ToolResult("no tools are available through search in this request", is_error=True)
-    if not tools.is_synced:
-        tools.catalog.sync(list(tools.deferred.values()))
-        tools.is_synced = True
-    hits = tools.catalog.search(query, limit)
+    return None
+
+
+def _find(tools: RequestTools, query: str, limit: int) -> list[Hit]:
+    """The catalog's best ``limit`` hits, after syncing it with the request's deferred
+    tools once; safe on any thread (the catalog locks)."""
+    catalog = tools.catalog
+    assert catalog is not None  # checked by _check
+    with catalog.lock:
+        if not tools.is_synced:
+            catalog.sync(list(tools.deferred.values()))
+            tools.is_synced = True
+        return catalog.search(query, limit)
+
+
+def _load(ctx: RequestContext, query: str, hits: list[Hit]) -> ToolResult:
+    """Load ``hits`` into the session and say what was found (on the event loop, with no
+    await inside, so concurrent searches of one turn never load a tool twice)."""
+    tools = ctx.state(STATE_KEY, RequestTools)
+    session = ctx.session.state(STATE_KEY, SessionTools)
     session.num_searches += 1
     ctx.count("tool_search_searches_total", help="tool_search calls")
     if not hits:
@@ -96,16 +100,55 @@ def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars
     return ToolResult("\n".join(lines), loaded_tools=tuple(session.loaded[info.name] for info in new))
 
 
+def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars: int = 2000) -> ToolResult:
+    """Search this request's deferred tools and load the best ``limit`` into the session.
+
+    Runs on the calling thread; the ``tool_search`` tool itself awaits
+    :func:`search_tools_async`, which keeps the index work off the event loop.
+
+    Args:
+        ctx: the request (its deferred tools come from ``loopstack_visible_tools``).
+        query: what the model wants to do, or a tool name; longer than ``max_query_chars``
+            is cut (a pasted document still finds something, in bounded time).
+        limit: at most this many tools.
+
+    Returns:
+        A result listing what was found; ``loaded_tools`` holds the schemas of the tools
+        this session had not loaded yet (empty when every hit was already loaded). An empty
+        query is an error; no match is not (it says so and lists the namespaces).
+    """
+    query = query.strip()[:max_query_chars]
+    error = _check(ctx, query)
+    if error is not None:
+        return error
+    return _load(ctx, query, _find(ctx.state(STATE_KEY, RequestTools), query, limit))
+
+
+async def search_tools_async(ctx: RequestContext, query: str, *, limit: int, max_query_chars: int = 2000,
+                             worker: SearchWorker | None = None) -> ToolResult:
+    """:func:`search_tools` with the catalog work (the first sync of a catalog, the query's
+    forward) on ``worker``'s thread instead of the event loop; inline when None."""
+    query = query.strip()[:max_query_chars]
+    error = _check(ctx, query)
+    if error is not None:
+        return error
+    tools = ctx.state(STATE_KEY, RequestTools)
+    hits = _find(tools, query, limit) if worker is None else await worker.run(_find, tools, query, limit)
+    return _load(ctx, query, hits)
+
+
 class ToolSearchTool:
     """The ``tool_search`` tool of one request (see :func:`search_tools`)."""
 
-    is_concurrency_safe = True  # the search is synchronous: no await between lookup and load
+    is_concurrency_safe = True  # loading happens on the event loop with no await inside (_load)
 
-    def __init__(self, ctx: RequestContext, *, top_k: int, max_query_chars: int) -> None:
+    def __init__(self, ctx: RequestContext, *, top_k: int, max_query_chars: int,
+                 worker: SearchWorker | None = None) -> None:
         self.info = ToolInfo(name=SEARCH_TOOL_NAME, description="", parameters=SEARCH_PARAMETERS)
         self._ctx = ctx
         self._top_k = top_k
         self._max_query_chars = max_query_chars
+        self._worker = worker
 
     def __repr__(self) -> str:
         return f"ToolSearchTool(top_k={self._top_k})"
@@ -117,5 +160,5 @@ class ToolSearchTool:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}"
                                  for e in error.errors(include_url=False))
             return ToolResult(f"invalid arguments for tool 'tool_search': {problems}", is_error=True)
-        return search_tools(self._ctx, args.query, limit=args.limit or self._top_k,
-                            max_query_chars=self._max_query_chars)
+        return await search_tools_async(self._ctx, args.query, limit=args.limit or self._top_k,
+                                        max_query_chars=self._max_query_chars, worker=self._worker)
