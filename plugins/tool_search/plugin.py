@@ -61,8 +61,8 @@ class ToolSearchConfig(PluginConfig):
     )
     max_query_tokens: int = Field(64, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
     search_threads: int = Field(
-        1, ge=1, le=64, description="torch threads of the search thread (the hybrid's query forward); 1 keeps a "
-        "busy machine from stalling it"
+        0, ge=0, le=256, description="torch threads of the search thread (the hybrid's query forward); 0: one per "
+        "core on an idle machine, 1 when the load average says the cores are busy"
     )
     vector_cache: str = Field(
         "default", description="hybrid: tool vectors on disk, shared by processes: 'default' "

@@ -6,18 +6,20 @@ query. On the event loop that time would stall every other conversation the proc
 serves. :class:`SearchWorker` runs them on one dedicated thread instead, one at a time
 (the catalogs are shared by sessions; :class:`.catalog.CatalogIndex` also locks).
 
-That thread's torch uses ``torch_threads`` intra-op threads (1 by default; torch's thread
-count is per calling thread, so the engine's threads are untouched). On a machine whose
-cores are busy, for instance with the engine decoding, a forward split over 2 threads
-waits at every parallel region for a descheduled peer: measured here with two busy
-processes on 2 cores, a query's forward took p50 16 ms and p99 166 ms on 2 threads
-against 11 ms and 33 ms on one (on an idle machine 2 threads are faster: 6 against 10 ms).
+Torch's thread count is per calling thread, so the worker sets its own without touching
+the engine's. ``torch_threads = 0`` (the plugin's default) picks per search: torch's
+default (one per core) on an idle machine, one thread when the 1-minute load average says
+the cores are taken. A forward split over 2 threads waits at every parallel region for a
+descheduled peer: measured here with two busy processes on 2 cores, a query's forward
+took p50 16 ms and p99 166 ms on 2 threads against 11 ms and 33 ms on one, while on an
+idle machine 2 threads are faster (6 against 10 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -36,26 +38,50 @@ class SearchWorker:
 
     Args:
         torch_threads: torch intra-op threads on the worker thread (applied once torch is
-            imported, which the hybrid retriever does on its first catalog).
+            imported, which the hybrid retriever does on its first catalog); 0 picks per
+            search from the load average (:meth:`threads_for_load`).
+        load_average: the 1-minute load average (a parameter for tests).
     """
 
-    def __init__(self, *, torch_threads: int = 1) -> None:
-        if torch_threads < 1:
-            raise ValueError(f"torch_threads must be at least 1, got {torch_threads}")
+    def __init__(self, *, torch_threads: int = 0,
+                 load_average: Callable[[], float] | None = None) -> None:
+        if torch_threads < 0:
+            raise ValueError(f"torch_threads must be 0 (automatic) or more, got {torch_threads}")
         self.torch_threads = torch_threads
+        self._load_average = load_average or _load_average
         self._executor: ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
         self._local = threading.local()
         self.num_runs = 0
+        self.num_single_threaded = 0  # searches that ran on one torch thread
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        if not getattr(self._local, "has_torch_threads", False) and "torch" in sys.modules:
-            import torch
+    def threads_for_load(self, default: int) -> int:
+        """One thread when the load average reaches the core count minus a half (the cores
+        are taken: a split forward would wait on its peers), else ``default``."""
+        cores = os.cpu_count() or 1
+        return 1 if self._load_average() >= cores - 0.5 else default
 
-            torch.set_num_threads(self.torch_threads)  # this thread only
-            self._local.has_torch_threads = True
+    def _call(self, fn: Callable[[], T], default_threads: int | None) -> T:
         self.num_runs += 1
-        return fn()
+        if default_threads is None:  # torch not imported: a BM25 search
+            return fn()
+        import torch
+
+        wanted = self.torch_threads or self.threads_for_load(default_threads)
+        self.num_single_threaded += wanted == 1
+        if wanted == default_threads:
+            if getattr(self._local, "threads", None) != wanted:
+                torch.set_num_threads(wanted)
+                self._local.threads = wanted
+            return fn()
+        # torch.set_num_threads sets the calling thread's OpenMP team size, and also the
+        # process-wide count that threads started later begin with: put it back at once
+        torch.set_num_threads(wanted)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(default_threads)
+            self._local.threads = default_threads
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the worker thread. Under an event loop other than asyncio's it
@@ -67,7 +93,9 @@ class SearchWorker:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-search")
             executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, self._call, call)
+        # the caller's (the event loop thread's) count is the process's default
+        default_threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+        return await asyncio.get_running_loop().run_in_executor(executor, self._call, call, default_threads)
 
     def close(self) -> None:
         """Stop the thread once its current search ends; queued searches are dropped."""
@@ -75,3 +103,10 @@ class SearchWorker:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average (Windows): assume an idle machine
+        return 0.0

@@ -4,6 +4,8 @@ catalog syncs or a query is embedded, and concurrent searches still load a tool 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 
 import anyio
@@ -84,7 +86,7 @@ def test_the_worker_sets_torch_threads_on_its_own_thread_only():
     worker = SearchWorker(torch_threads=1)
 
     async def main():
-        return await worker.run(torch.get_num_threads), await worker.run(lambda: __import__("threading").current_thread().name)
+        return await worker.run(torch.get_num_threads), await worker.run(lambda: threading.current_thread().name)
 
     try:
         threads, name = asyncio.run(main())
@@ -93,8 +95,39 @@ def test_the_worker_sets_torch_threads_on_its_own_thread_only():
     assert threads == 1 and name.startswith("tool-search")
     assert torch.get_num_threads() == before
     assert worker.num_runs == 2
+    started_later = []  # the process-wide count new threads begin with is put back
+    thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert started_later == [before]
 
 
 def test_the_worker_rejects_a_bad_thread_count():
-    with pytest.raises(ValueError, match="torch_threads must be at least 1"):
-        SearchWorker(torch_threads=0)
+    with pytest.raises(ValueError, match="torch_threads must be 0"):
+        SearchWorker(torch_threads=-1)
+
+
+def test_automatic_threads_follow_the_load_average():
+    load = {"now": 0.0}
+    worker = SearchWorker(load_average=lambda: load["now"])
+    cores = os.cpu_count() or 1
+
+    async def threads():
+        return await worker.run(torch.get_num_threads)
+
+    try:
+        idle = asyncio.run(threads())
+        load["now"] = float(cores)  # every core taken
+        busy = asyncio.run(threads())
+        load["now"] = 0.0
+        again = asyncio.run(threads())
+    finally:
+        worker.close()
+    assert busy == 1 and idle == again == torch.get_num_threads()  # the caller's count is the default
+    assert worker.num_single_threaded == (3 if idle == 1 else 1)
+    # a thread started after a single-threaded search begins with the default, not with 1
+    started_later = []
+    thread = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert started_later == [torch.get_num_threads()]
