@@ -184,32 +184,33 @@ class ToolSearchWorkload(Workload):
         embedder = state.embedder(retriever)
         options = {"k1": cfg.k1, "b": cfg.b, "embedder": embedder, "dense_weight": cfg.dense_weight,
                    "min_similarity": cfg.min_similarity}
+        own_store = None if embedder is None else embedder.store
         figures: dict[str, float] = {}
-        if embedder is None:
-            build = CatalogIndex(state.plugin.weights, **options).sync(infos)  # type: ignore[arg-type]
-        else:
+        with tempfile.TemporaryDirectory(prefix="loopstack-bench-") as folder:
             # cold: nothing in memory and an empty disk cache of the bench's own (the user's
-            # stays untouched); then a restarted process: memory empty, that disk cache full
-            own_store = embedder.store
-            with tempfile.TemporaryDirectory(prefix="loopstack-bench-") as folder:
+            # stays untouched: texts it holds from earlier runs would make "cold" warm)
+            if embedder is not None:
                 embedder.store = VectorStore(Path(folder) / "vectors.sqlite3")
-                try:
-                    embedder.clear_cache()
-                    build = CatalogIndex(state.plugin.weights, **options).sync(infos)  # type: ignore[arg-type]
+                embedder.clear_cache()
+            try:
+                build = CatalogIndex(state.plugin.weights, **options).sync(infos)  # type: ignore[arg-type]
+                if embedder is not None:  # a restarted process: memory empty, that disk cache full
                     embedder.clear_cache()
                     restart = CatalogIndex(state.plugin.weights, **options).sync(infos)  # type: ignore[arg-type]
                     figures[f"index_restart_s{suffix}.{LATENCY_CATALOG}"] = restart.seconds
-                finally:
+                catalog = CatalogIndex(state.plugin.weights, **options)  # type: ignore[arg-type]
+                rebuild = catalog.sync(infos)  # the same texts: vectors from the memory cache
+                # one server changes its list: a tool goes, the others are edited
+                server = infos[0].namespace
+                changed = [i for i in infos if i.namespace != server or i is not infos[0]]
+                changed = [ToolInfo(i.name, i.description + " (v2)", i.parameters, i.namespace)
+                           if i.namespace == server else i for i in changed]
+                update = catalog.sync(changed)
+            finally:
+                if embedder is not None:
+                    assert embedder.store is not None
                     embedder.store.close()
                     embedder.store = own_store
-        catalog = CatalogIndex(state.plugin.weights, **options)  # type: ignore[arg-type]
-        rebuild = catalog.sync(infos)  # the same texts: vectors from the sha256 cache
-        # one server changes its list: a tool goes, one is edited
-        server = infos[0].namespace
-        changed = [i for i in infos if i.namespace != server or i is not infos[0]]
-        changed = [ToolInfo(i.name, i.description + " (v2)", i.parameters, i.namespace)
-                   if i.namespace == server else i for i in changed]
-        update = catalog.sync(changed)
         return {
             f"index_build_s{suffix}.{LATENCY_CATALOG}": build.seconds,
             **figures,

@@ -54,6 +54,7 @@ class CatalogIndex:
         self.max_hinted_namespaces = max_hinted_namespaces
         self.infos: dict[str, ToolInfo] = {}
         self.num_syncs = 0
+        self.is_built = False  # synced at least once: later syncs touch only what changed
         self._description: tuple[tuple[ToolInfo, ...], str] | None = None
         # sessions share a catalog and search from a worker thread (:mod:`.worker`) or inline
         self.lock = threading.RLock()
@@ -85,6 +86,7 @@ class CatalogIndex:
         self.infos = current
         if added or changed or removed:
             self.num_syncs += 1
+        self.is_built = True
         return SyncResult(added, changed, len(removed), time.perf_counter() - started)
 
     def search(self, query: str, limit: int) -> list[Hit]:

@@ -126,14 +126,19 @@ def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars
 
 async def search_tools_async(ctx: RequestContext, query: str, *, limit: int, max_query_chars: int = 2000,
                              worker: SearchWorker | None = None) -> ToolResult:
-    """:func:`search_tools` with the catalog work (the first sync of a catalog, the query's
-    forward) on ``worker``'s thread instead of the event loop; inline when None."""
+    """:func:`search_tools` with the catalog work (a catalog's sync, the hybrid's query
+    forward) on ``worker``'s thread instead of the event loop; inline when None, and for
+    BM25 once the catalog is built (its first sync indexes every tool)."""
     query = query.strip()[:max_query_chars]
     error = _check(ctx, query)
     if error is not None:
         return error
     tools = ctx.state(STATE_KEY, RequestTools)
-    hits = _find(tools, query, limit) if worker is None else await worker.run(_find, tools, query, limit)
+    assert tools.catalog is not None  # checked by _check
+    # BM25 over a built catalog (a sync then checks what changed, a search scores postings)
+    # takes a millisecond or two: the hop to the worker would cost about as much
+    inline = worker is None or (tools.catalog.is_built and tools.catalog.retriever == "bm25")
+    hits = _find(tools, query, limit) if inline else await worker.run(_find, tools, query, limit)
     return _load(ctx, query, hits)
 
 

@@ -131,3 +131,16 @@ def test_automatic_threads_follow_the_load_average():
     thread.start()
     thread.join()
     assert started_later == [torch.get_num_threads()]
+
+
+def test_bm25_searches_of_a_built_catalog_skip_the_hop(tmp_path):
+    outputs = [
+        [call(SEARCH_TOOL_NAME, {"query": "open a new issue", "limit": 1}, "c1")],
+        [call(SEARCH_TOOL_NAME, {"query": "merge a pull request", "limit": 1}, "c2")],
+        [answer("ok")],
+    ]
+    agent = _agent(tmp_path, outputs)
+    anyio.run(agent.run, "task")
+    plugin = agent.runtime.instance("tool_search")
+    assert plugin.worker.num_runs == 1  # the first search built the catalog there; the second ran inline
+    assert plugin.retriever == "bm25"
