@@ -56,10 +56,11 @@ class SearchWorker:
         self.num_single_threaded = 0  # searches that ran on one torch thread
 
     def threads_for_load(self, default: int) -> int:
-        """One thread when the load average reaches the core count minus a half (the cores
-        are taken: a split forward would wait on its peers), else ``default``."""
+        """One thread when the load average reaches the core count (counting this process's
+        own busy thread, the cores are then taken: a split forward would wait on its peers),
+        else ``default``."""
         cores = os.cpu_count() or 1
-        return 1 if self._load_average() >= cores - 0.5 else default
+        return 1 if self._load_average() >= cores else default
 
     def _call(self, fn: Callable[[], T], default_threads: int | None) -> T:
         self.num_runs += 1
