@@ -18,6 +18,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -25,9 +26,11 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.extra = dict(extra or {})  # more fields of the error object (a guard's verdict)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        fields = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {**self.extra, **fields}}
 
 
 def from_validation_error(exc: ValidationError, prefix: str = "") -> APIError:
