@@ -99,11 +99,13 @@ class SearchWorker:
         return await asyncio.get_running_loop().run_in_executor(executor, self._call, call, default_threads)
 
     def close(self) -> None:
-        """Stop the thread once its current search ends; queued searches are dropped."""
+        """Stop the thread once the searches already queued have run (a stack reload
+        closes the old plugin while requests may still be searching); a later
+        :meth:`run` starts a new thread."""
         with self._start_lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=False)
 
 
 def _load_average() -> float:
