@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 
 class SearchWorker:
-    """One daemon thread for searches, started on first use.
+    """One thread for searches, started on first use.
 
     Args:
         torch_threads: torch intra-op threads on the worker thread (applied once torch is
