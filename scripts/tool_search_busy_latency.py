@@ -72,8 +72,7 @@ def main() -> None:
     samples = iter([rng.sample(prose, args.queries) for _ in range(6)])
     tools = RequestTools(deferred={info.name: info for info in infos},
                          catalog=CatalogIndex(embedder=load_embedder()))
-    tools.catalog.sync(infos)  # type: ignore[union-attr]
-    tools.is_synced = True
+    tools.sync()
     for label in ("idle", "busy"):
         spinners = []
         if label == "busy":

@@ -236,8 +236,7 @@ class ToolSearchWorkload(Workload):
             state.plugin.loopstack_visible_tools(tools=tools, ctx=ctx)
             request_tools = ctx.state(STATE_KEY, RequestTools)  # what a turn's visible_tools leaves
         assert request_tools.catalog is not None
-        request_tools.catalog.sync(infos)  # built on a request's first search; not timed here
-        request_tools.is_synced = True
+        request_tools.sync()  # built on a request's first search; not timed here
         for query in _WARM_UP:  # first calls into torch allocate; not what a search costs
             await state.plugin.worker.run(request_tools.catalog.search, query, cfg.top_k)
         self._load_average[retriever] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -55,6 +55,7 @@ class CatalogIndex:
         self.infos: dict[str, ToolInfo] = {}
         self.num_syncs = 0
         self.is_built = False  # synced at least once: later syncs touch only what changed
+        self.version = 0  # bumped by every sync that changes the tools
         self._description: tuple[tuple[ToolInfo, ...], str] | None = None
         # sessions share a catalog and search from a worker thread (:mod:`.worker`) or inline
         self.lock = threading.RLock()
@@ -86,12 +87,14 @@ class CatalogIndex:
         self.infos = current
         if added or changed or removed:
             self.num_syncs += 1
+            self.version += 1
         self.is_built = True
         return SyncResult(added, changed, len(removed), time.perf_counter() - started)
 
-    def search(self, query: str, limit: int) -> list[Hit]:
+    def search(self, query: str, limit: int, *, allowed: set[str] | None = None) -> list[Hit]:
+        """The best ``limit`` hits; only among ``allowed`` names when given."""
         with self.lock:
-            return self.index.search(query, limit)
+            return self.index.search(query, limit, allowed=allowed)
 
     def description(self, infos: Sequence[ToolInfo]) -> str:
         """``tool_search``'s description for ``infos``, recomputed only when they change

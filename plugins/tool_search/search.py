@@ -66,14 +66,19 @@ def _check(ctx: RequestContext, query: str) -> ToolResult | None:
 
 def _find(tools: RequestTools, query: str, limit: int) -> list[Hit]:
     """The catalog's best ``limit`` hits, after syncing it with the request's deferred
-    tools once; safe on any thread (the catalog locks)."""
+    tools once; safe on any thread (the catalog locks).
+
+    Sessions share a catalog. When another request synced it to a different tool list
+    since (a server changed its list between two conversations), the hits are limited to
+    this request's own tools.
+    """
     catalog = tools.catalog
     assert catalog is not None  # checked by _check
     with catalog.lock:
         if not tools.is_synced:
-            catalog.sync(list(tools.deferred.values()))
-            tools.is_synced = True
-        return catalog.search(query, limit)
+            tools.sync()
+        allowed = None if catalog.version == tools.synced_version else set(tools.deferred)
+        return catalog.search(query, limit, allowed=allowed)
 
 
 def _load(ctx: RequestContext, query: str, hits: list[Hit]) -> ToolResult:

@@ -31,4 +31,13 @@ class RequestTools:
 
     deferred: dict[str, ToolInfo] = field(default_factory=dict)
     catalog: CatalogIndex | None = None
-    is_synced: bool = False  # the catalog holds exactly ``deferred`` (synced once per request)
+    is_synced: bool = False  # the catalog was synced with ``deferred`` (once per request)
+    synced_version: int = -1  # the catalog's version right after that sync
+
+    def sync(self) -> None:
+        """Make the catalog hold ``deferred`` (the first search of a request does this)."""
+        assert self.catalog is not None
+        with self.catalog.lock:
+            self.catalog.sync(list(self.deferred.values()))
+            self.is_synced = True
+            self.synced_version = self.catalog.version

@@ -164,3 +164,33 @@ def test_metrics_count_searches_loads_and_sessions(tmp_path):
     assert total("tool_search_loaded_tools_total") == 3  # two found, one called directly
     assert total("tool_search_direct_loads_total") == 1
     assert total("tool_search_sessions_total") == 1
+
+
+def test_requests_with_different_tool_lists_share_a_catalog_safely(tmp_path):
+    """Two sessions see different versions of one server (its list changed in between): a
+    request never gets a tool it does not have, even after the other synced the catalog."""
+    from loopstack.harness.tool import python_tool
+    from loopstack.plugins.tool_search.search import ToolSearchTool, search_tools
+    from loopstack.tools import ToolSet
+
+    runtime = runtime_with(tmp_path, ON + 'retriever = "bm25"\n')
+    plugin = runtime.instance("tool_search")
+
+    def list_security_advisories(owner: str, repo: str) -> list:
+        return []
+
+    advisories = python_tool(list_security_advisories, description="List the security advisories of a repository",
+                             namespace="github")
+
+    def request(tools):
+        ctx = runtime.context(session=Session())
+        tool_set = ToolSet([*(t.info for t in tools), ToolSearchTool(ctx, top_k=5, max_query_chars=2000).info])
+        plugin.loopstack_visible_tools(tools=tool_set, ctx=ctx)
+        return ctx
+
+    old, new = request(github_tools()), request([*github_tools(), advisories])
+    assert "create_issue" in search_tools(old, "open a new issue", limit=5).text  # old's request syncs
+    assert "list_security_advisories" in search_tools(new, "security advisories", limit=5).text  # new's
+    later = search_tools(old, "list security advisories", limit=5)  # same request as old's first search
+    assert not later.is_error and "list_security_advisories" not in later.text
+    assert all(tool["name"] != "list_security_advisories" for tool in later.loaded_tools)
