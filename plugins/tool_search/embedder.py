@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -89,6 +90,7 @@ class Embedder:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._queries: OrderedDict[str, np.ndarray] = OrderedDict()
         self.store = store
+        self._lock = threading.RLock()  # the caches; one forward at a time
         self._num_encoded = self._num_hits = self._num_query_hits = self._num_store_hits = 0
 
     def _ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
@@ -148,6 +150,10 @@ class Embedder:
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         """Vectors of ``texts``, from the memory cache, else the store, else encoded (and
         then stored, in one transaction); ``[N, dim]``."""
+        with self._lock:  # catalogs of other namespaces may embed from another thread
+            return self._embed_documents(texts)
+
+    def _embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         keys = [text_key(text) for text in texts]
         missing = {key: text for key, text in zip(keys, texts) if key not in self._cache}
         num_memory_hits = len(keys) - len(missing)
@@ -172,6 +178,10 @@ class Embedder:
 
     def embed_query(self, text: str) -> np.ndarray:
         """The vector of one query, ``[dim]``; repeated queries come from a small cache."""
+        with self._lock:
+            return self._embed_query(text)
+
+    def _embed_query(self, text: str) -> np.ndarray:
         vector = self._queries.get(text)
         if vector is not None:
             self._queries.move_to_end(text)
