@@ -144,3 +144,41 @@ def test_bm25_searches_of_a_built_catalog_skip_the_hop(tmp_path):
     plugin = agent.runtime.instance("tool_search")
     assert plugin.worker.num_runs == 1  # the first search built the catalog there; the second ran inline
     assert plugin.retriever == "bm25"
+
+
+class EarlyItemsModel(ScriptedModel):
+    """Reports each output item as complete, then takes a while to finish (the model's last
+    tokens), as the embedded client does."""
+
+    async def create(self, request, ctx, **kwargs):
+        response = await super().create(request, ctx, **kwargs)
+        for item in response["output"]:
+            ctx.hooks.model_output_item(item, ctx)
+        await asyncio.sleep(0.3)
+        return response
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_search_query_is_embedded_while_the_model_finishes(tmp_path, prefetch):
+    pytest.importorskip("tokenizers")
+    from loopstack.plugins.tool_search.minilm import EmbeddingModelUnavailable, model_zip_path
+
+    try:
+        model_zip_path()
+    except EmbeddingModelUnavailable as error:
+        pytest.skip(str(error))
+    stack = ON + f"prefetch_queries = {'true' if prefetch else 'false'}\n"
+    query = f"open a new issue about the crash {tmp_path.name}"  # unseen by the embedder's query cache
+    model = EarlyItemsModel([[call(SEARCH_TOOL_NAME, {"query": f"  {query} "}, "c1")], [answer("ok")]])
+    agent = Agent(model, github_tools(), instructions="Use tools.", runtime=runtime_with(tmp_path, stack), max_turns=4)
+    plugin = agent.runtime.instance("tool_search")
+    embedder = plugin.embedder()
+    before = embedder.statistics()
+    asyncio.run(agent.run("task"))
+    after = embedder.statistics()
+    found = next(i for i in agent.items if i.get("call_id") == "c1" and i["type"] != "function_call")
+    assert next(t["name"] for t in found["tools"]) == "create_issue"
+    # with the prefetch the search found the query's vector cached; without, it embedded it
+    assert after.num_query_hits - before.num_query_hits == (1 if prefetch else 0)
+    metrics = {m["name"]: m for m in agent.runtime.metrics.snapshot()["metrics"]}
+    assert ("tool_search_prefetches_total" in metrics) == prefetch
