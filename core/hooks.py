@@ -7,7 +7,6 @@ mutate) is written down.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,6 @@ if TYPE_CHECKING:
     from .context import RequestContext
     from .middleware import MiddlewareFactory
     from .tools import ToolSet
-
-log = logging.getLogger(__name__)
 
 
 class HookFacade:
@@ -56,13 +53,6 @@ class HookFacade:
 
     def prepare_request(self, request: dict[str, Any], ctx: RequestContext) -> None:
         self.caller("loopstack_prepare_request")(request=request, ctx=ctx)
-
-    def model_output_item(self, item: dict[str, Any], ctx: RequestContext) -> None:
-        """Tell plugins an output item is complete; a plugin's failure never reaches the model call."""
-        try:
-            self.caller("loopstack_model_output_item")(item=item, ctx=ctx)
-        except Exception:  # a hint for early work: the call goes on without it
-            log.exception("loopstack_model_output_item failed; ignored")
 
     def serialize_request(self, request: dict[str, Any], ctx: RequestContext) -> bytes | None:
         return self.caller("loopstack_serialize_request")(request=request, ctx=ctx)

@@ -94,18 +94,6 @@ def loopstack_prepare_request(request: dict[str, Any], ctx: RequestContext) -> N
     """
 
 
-@hookspec
-def loopstack_model_output_item(item: dict[str, Any], ctx: RequestContext) -> None:
-    """A model call's output item is complete (a function call with all its arguments),
-    before the call returns: the model may still be writing its last tokens.
-
-    Called by model clients that see items as they finish (the embedded client does);
-    others never call it. For starting work early (``tool_search`` embeds a search's query
-    here); an implementation must return at once and never rely on being called. An
-    exception is logged and ignored.
-    """
-
-
 @hookspec(firstresult=True)
 def loopstack_serialize_request(request: dict[str, Any], ctx: RequestContext) -> bytes | None:
     """Serialize the request body to bytes. Stops at first non-None result; the

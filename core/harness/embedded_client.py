@@ -93,8 +93,6 @@ class EmbeddedClient:
                 async for event in stream:
                     if event["type"] == "response.output_text.delta" and on_text_delta is not None:
                         on_text_delta(event.get("delta", ""))
-                    elif event["type"] == "response.output_item.done":
-                        ctx.hooks.model_output_item(event["item"], ctx)  # e.g. a tool call, before the last tokens
                     elif event["type"] in TERMINAL:
                         final = event["response"]
                         observe(server_ctx, final, time.perf_counter() - started)

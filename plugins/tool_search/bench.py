@@ -15,7 +15,6 @@ beside a BM25 one (where the model package is installed).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -39,7 +38,7 @@ from .minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
 from .plugin import ToolSearch
 from .retrieval import build_index, evaluate, lexical_overlap
 from .schema_tokens import schema_tokens
-from .search import SEARCH_TOOL_NAME, ToolSearchTool, search_tools_async
+from .search import ToolSearchTool, search_tools_async
 from .state import STATE_KEY, RequestTools
 from .terms import STEMMER
 from .vector_store import VectorStore
@@ -254,9 +253,6 @@ class ToolSearchWorkload(Workload):
             wall.append((time.perf_counter() - started) * 1000)
         cuts = statistics.quantiles(wall, n=100, method="inclusive")
         cpu_cuts = statistics.quantiles(cpu, n=100, method="inclusive")
-        ahead = {}
-        if not suffix and retriever == "hybrid" and cfg.prefetch_queries:
-            ahead = await self._prefetched_latency(state, request_tools)
         return {
             f"search_ms_p50{suffix}.{LATENCY_CATALOG}": cuts[49],
             f"search_ms_p99{suffix}.{LATENCY_CATALOG}": cuts[98],
@@ -265,41 +261,6 @@ class ToolSearchWorkload(Workload):
             f"search_cpu_ms_p50{suffix}.{LATENCY_CATALOG}": cpu_cuts[49],
             f"search_cpu_ms_p99{suffix}.{LATENCY_CATALOG}": cpu_cuts[98],
             **state.build[suffix],
-            **ahead,
-        }
-
-    async def _prefetched_latency(self, state: _Column, request_tools: RequestTools) -> dict[str, float]:
-        """Searches whose query the plugin embedded ahead (``loopstack_model_output_item``,
-        as the embedded client calls it when the model's call is complete): the time of
-        that embedding, then of the search once it is done. The search waits only for the
-        second when the first fits in what the model still writes after its call."""
-        assert state.plugin is not None
-        cfg = state.plugin.config
-        rng = random.Random(self._seed + 1)  # other questions: the embedder caches recent query vectors
-        prose = [q.text for q in load_retrieval_set("metatool", self._root).queries]
-        ahead: list[float] = []
-        search: list[float] = []
-        for i, query in enumerate(tqdm(rng.sample(prose, min(500, self._limit or 500)), leave=False, unit="q",
-                                       desc="  search latency (query embedded ahead)")):
-            ctx = state.runtime.context(session=Session())
-            ctx.state(STATE_KEY, lambda: request_tools)
-            item = {"type": "function_call", "call_id": f"c{i}", "name": SEARCH_TOOL_NAME,
-                    "arguments": json.dumps({"query": query})}
-            started = time.perf_counter()
-            state.plugin.loopstack_model_output_item(item=item, ctx=ctx)
-            await state.plugin.prefetches_done()
-            ahead.append((time.perf_counter() - started) * 1000)
-            started = time.perf_counter()
-            await search_tools_async(ctx, query, limit=cfg.top_k, max_query_chars=cfg.max_query_chars,
-                                     worker=state.plugin.worker)
-            search.append((time.perf_counter() - started) * 1000)
-        ahead_cuts = statistics.quantiles(ahead, n=100, method="inclusive")
-        search_cuts = statistics.quantiles(search, n=100, method="inclusive")
-        return {
-            f"query_ahead_ms_p50.{LATENCY_CATALOG}": ahead_cuts[49],
-            f"query_ahead_ms_p99.{LATENCY_CATALOG}": ahead_cuts[98],
-            f"search_ms_p50_prefetched.{LATENCY_CATALOG}": search_cuts[49],
-            f"search_ms_p99_prefetched.{LATENCY_CATALOG}": search_cuts[98],
         }
 
     async def teardown(self) -> None:

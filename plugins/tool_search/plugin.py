@@ -3,8 +3,6 @@ MiniLM sentence embeddings)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +17,6 @@ from pydantic import Field, field_validator
 
 from .catalog import CatalogCache
 from .docs import function_tool
-from .hybrid import HybridIndex
 from .index import FieldWeights
 from .minilm import EmbeddingModelUnavailable, model_zip_path
 from .schema_tokens import TokenizerUnavailable, schema_tokens
@@ -66,10 +63,6 @@ class ToolSearchConfig(PluginConfig):
     search_threads: int = Field(
         0, ge=0, le=256, description="torch threads of the search thread (the hybrid's query forward); 0: one per "
         "core on an idle machine, 1 when the load average says the cores are busy"
-    )
-    prefetch_queries: bool = Field(
-        True, description="hybrid: embed a search's query as soon as the model's call to tool_search is complete, "
-        "while the model writes its last tokens (with clients that report items early: the embedded one)"
     )
     vector_cache: str = Field(
         "default", description="hybrid: tool vectors on disk, shared by processes: 'default' "
@@ -132,51 +125,10 @@ class ToolSearch(Plugin):
                                      dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity)
         self._tokens_unavailable = False
         self.worker = SearchWorker(torch_threads=cfg.search_threads)  # searches run off the event loop
-        self._prefetches: set[asyncio.Task[Any]] = set()  # queries embedded ahead (kept until done)
 
     @hookimpl
     def loopstack_unconfigure(self, runtime: Any) -> None:
         self.worker.close()
-
-    # -- a search's query, embedded before the search runs ----------------------------------
-
-    @hookimpl
-    def loopstack_model_output_item(self, item: dict[str, Any], ctx: RequestContext) -> None:
-        """The model finished a ``tool_search`` call while it still writes its last tokens:
-        embed the query now, on the worker. The search is queued behind it on the same
-        thread and takes the vector from the embedder's query cache."""
-        if not self.config.prefetch_queries or item.get("type") != "function_call":
-            return
-        if item.get("name") != SEARCH_TOOL_NAME:
-            return
-        catalog = ctx.state(STATE_KEY, RequestTools).catalog
-        if catalog is None or not isinstance(catalog.index, HybridIndex):
-            return
-        try:
-            query = json.loads(item.get("arguments") or "{}").get("query")
-        except (ValueError, AttributeError):  # not a JSON object: the search will say so
-            return
-        if not isinstance(query, str) or not query.strip():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        query = query.strip()[: self.config.max_query_chars]  # the text search_tools will embed
-        task = loop.create_task(self.worker.run(catalog.index.embedder.embed_query, query))
-        self._prefetches.add(task)
-        task.add_done_callback(self._prefetched)
-        ctx.count("tool_search_prefetches_total", help="search queries embedded before their search ran")
-
-    async def prefetches_done(self) -> None:
-        """Wait for the queries being embedded ahead of their searches (for benchmarks)."""
-        if self._prefetches:
-            await asyncio.gather(*self._prefetches, return_exceptions=True)
-
-    def _prefetched(self, task: asyncio.Task[Any]) -> None:
-        self._prefetches.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the search will embed it itself
-            log.warning("tool_search: embedding a query ahead of its search failed: %s", task.exception())
 
     # -- the retriever -------------------------------------------------------------------
 

@@ -75,8 +75,5 @@ def test_a_quick_run_reports_every_metric_off_and_on():
         assert result.metrics["recall@5.metatool"][on] > result.metrics["recall@5_bm25.metatool"][on]
         assert result.config["embedding_model"]["weights_sha256"]
         # a restarted process reads the vectors an earlier one stored instead of embedding them
-        ahead = result.metrics["query_ahead_ms_p50.docker_registry"][on]
-        prefetched = result.metrics["search_ms_p50_prefetched.docker_registry"][on]
-        assert 0 < prefetched < ahead  # the forward was done ahead: the search only ranks
         restart = result.metrics["index_restart_s.docker_registry"][on]
         assert 0 < restart < result.metrics["index_build_s.docker_registry"][on] / 3
