@@ -69,16 +69,16 @@ def _find(tools: RequestTools, query: str, limit: int) -> list[Hit]:
     tools once; safe on any thread (the catalog locks).
 
     Sessions share a catalog. When another request synced it to a different tool list
-    since (a server changed its list between two conversations), the hits are limited to
-    this request's own tools.
+    since (a server changed its list between two conversations), it is synced back to
+    this request's list first: only the tools that differ are touched, and their vectors
+    come from the embedder's caches.
     """
     catalog = tools.catalog
     assert catalog is not None  # checked by _check
     with catalog.lock:
-        if not tools.is_synced:
+        if not tools.is_synced or catalog.version != tools.synced_version:
             tools.sync()
-        allowed = None if catalog.version == tools.synced_version else set(tools.deferred)
-        return catalog.search(query, limit, allowed=allowed)
+        return catalog.search(query, limit)
 
 
 def _load(ctx: RequestContext, query: str, hits: list[Hit]) -> ToolResult:

@@ -188,9 +188,12 @@ def test_requests_with_different_tool_lists_share_a_catalog_safely(tmp_path):
         plugin.loopstack_visible_tools(tools=tool_set, ctx=ctx)
         return ctx
 
-    old, new = request(github_tools()), request([*github_tools(), advisories])
+    newer = [t for t in github_tools() if t.info.name != "merge_pull_request"] + [advisories]
+    old, new = request(github_tools()), request(newer)
     assert "create_issue" in search_tools(old, "open a new issue", limit=5).text  # old's request syncs
     assert "list_security_advisories" in search_tools(new, "security advisories", limit=5).text  # new's
     later = search_tools(old, "list security advisories", limit=5)  # same request as old's first search
     assert not later.is_error and "list_security_advisories" not in later.text
     assert all(tool["name"] != "list_security_advisories" for tool in later.loaded_tools)
+    assert "merge_pull_request" in search_tools(old, "merge a pull request", limit=1).text  # gone from new's
+    assert "merge_pull_request" not in search_tools(new, "merge a pull request", limit=5).text
