@@ -91,10 +91,9 @@ class CatalogIndex:
         self.is_built = True
         return SyncResult(added, changed, len(removed), time.perf_counter() - started)
 
-    def search(self, query: str, limit: int, *, allowed: set[str] | None = None) -> list[Hit]:
-        """The best ``limit`` hits; only among ``allowed`` names when given."""
+    def search(self, query: str, limit: int) -> list[Hit]:
         with self.lock:
-            return self.index.search(query, limit, allowed=allowed)
+            return self.index.search(query, limit)
 
     def description(self, infos: Sequence[ToolInfo]) -> str:
         """``tool_search``'s description for ``infos``, recomputed only when they change

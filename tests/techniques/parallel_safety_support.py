@@ -175,6 +175,17 @@ class FusedGuard(ScriptedGuard):
         return Verdict.allow(self.name, 0.01)
 
 
+async def engine_released(engine: Any) -> dict[str, Any]:
+    """The engine's block statistics once an aborted request is gone (the abort reaches the
+    engine thread within a step or two; gives up after 2 s and returns what it sees)."""
+    for _ in range(200):
+        blocks = engine.statistics()["blocks"]
+        if blocks["num_used_blocks"] == 0 and blocks["num_sequences"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    return blocks
+
+
 def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """Prompt ids of ``text`` inside a chat-like frame (the tiny engine has no chat template)."""
     return tokenizer.encode(f"<sys>be kind</sys>\n<user>{text}</user>\n<assistant>")

@@ -13,6 +13,7 @@ from loopstack.plugins.parallel_safety import ParallelSafetyConfig
 from loopstack.plugins.parallel_safety.patterns import PatternGuard
 from loopstack.plugins.parallel_safety.plugin import plans_for
 from parallel_safety_support import (
+    engine_released,
     ScriptedGuard,
     ScriptedService,
     collect,
@@ -227,11 +228,7 @@ def test_a_trip_cancels_inference_and_frees_its_kv_blocks(tmp_path):
             if event["type"] == "response.output_text.delta" and not used_during:
                 used_during.append(engine.statistics()["blocks"]["num_used_blocks"])
             last = event
-        for _ in range(200):  # the abort reaches the engine thread within a step or two
-            blocks = engine.statistics()["blocks"]
-            if blocks["num_used_blocks"] == 0 and blocks["num_sequences"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await engine_released(engine)
         return last
 
     try:

@@ -20,6 +20,7 @@ from loopstack.plugins.parallel_safety.fused import (
 )
 from loopstack.plugins.parallel_safety.modes import input_pieces
 from parallel_safety_support import (
+    engine_released,
     FusedGuard,
     ScriptedService,
     byte_tokenizer,
@@ -95,11 +96,7 @@ def test_a_tripped_fused_verdict_cuts_and_frees_the_kv_blocks(tmp_path, tiny, mo
 
     async def scenario():
         events = await collect(runtime, service, prepared)
-        for _ in range(200):  # the abort reaches the engine thread within a step or two
-            blocks = engine.statistics()["blocks"]
-            if blocks["num_used_blocks"] == 0 and blocks["num_sequences"] == 0:
-                break
-            await asyncio.sleep(0.01)
+        await engine_released(engine)
         return events
 
     events = run(scenario())
