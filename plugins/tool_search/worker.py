@@ -10,9 +10,11 @@ Torch's thread count is per calling thread, so the worker sets its own without t
 the engine's. ``torch_threads = 0`` (the plugin's default) picks per search: torch's
 default (one per core) on an idle machine, one thread when the 1-minute load average says
 the cores are taken. A forward split over 2 threads waits at every parallel region for a
-descheduled peer: measured here with two busy processes on 2 cores, a query's forward
-took p50 16 ms and p99 166 ms on 2 threads against 11 ms and 33 ms on one, while on an
-idle machine 2 threads are faster (6 against 10 ms).
+descheduled peer. In one check here (two busy processes on 2 cores) a query's forward
+took p50 16 ms and p99 166 ms on 2 threads against 11 ms and 33 ms on one; on the idle
+machine that hour 2 threads were faster (6 against 10 ms). Later runs of
+``scripts/tool_search_busy_latency.py`` found no difference either way (see
+docs/techniques/tool-search.md).
 """
 
 from __future__ import annotations
