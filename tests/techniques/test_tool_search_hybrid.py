@@ -121,6 +121,33 @@ def test_bfloat16_agrees_with_float32_and_batches_agree_with_single_queries(mode
     assert float((batched * single).sum(-1).min()) > 0.999
 
 
+def test_the_embedder_runs_where_it_is_told_and_auto_picks_the_gpu_where_there_is_one(embedder):
+    from loopstack.plugins.tool_search.embedder import load_embedder
+
+    cpu = load_embedder(device="cpu")
+    assert embedder.encoder.device.type == ("cuda" if torch.cuda.is_available() else "cpu")  # "auto"
+    assert cpu.encoder.device.type == "cpu" and "device=cpu" in cpu.model_key
+    # on a GPU host: bfloat16 kernels of another device, the same vectors to rounding
+    assert float((embedder.encode(TEXTS) * cpu.encode(TEXTS)).sum(-1).min()) > 0.999
+    vector = embedder.embed_query(TEXTS[0])
+    assert isinstance(vector, np.ndarray) and vector.dtype == np.float32 and vector.shape == (384,)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_asking_for_a_gpu_that_is_not_there_is_an_error_that_says_so(tmp_path):
+    if HAS_MINILM:
+        from loopstack.plugins.tool_search.embedder import load_embedder
+
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_embedder(device="cuda")
+        with pytest.raises(ValueError, match="embedding_device = 'cuda'.*'auto'.*'cpu'"):
+            runtime_with(tmp_path, ON + 'embedding_device = "cuda"\n').instance("tool_search")
+    assert runtime_with(tmp_path, ON + 'embedding_device = "cuda"\nretriever = "bm25"\n', name="b") \
+        .instance("tool_search").retriever == "bm25"  # BM25 needs no device
+    with pytest.raises(ValidationError, match="'auto', 'cpu' or 'cuda'"):
+        ToolSearchConfig(embedding_device="gpu")
+
+
 def test_query_tokens_are_capped(embedder):
     long = "merge the pull request " * 200
     cut = " ".join(long.split()[: embedder.max_query_tokens])  # longer than the cap in tokens too
