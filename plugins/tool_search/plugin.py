@@ -59,7 +59,7 @@ class ToolSearchConfig(PluginConfig):
     min_similarity: float = Field(
         0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"
     )
-    max_query_tokens: int = Field(64, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
+    max_query_tokens: int = Field(32, ge=8, le=512, description="hybrid: a query is embedded from its first tokens")
     embedding_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="hybrid: where the query's forward runs: the GPU where CUDA sees one (auto), or the "
         "named device"
