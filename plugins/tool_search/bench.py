@@ -32,11 +32,19 @@ from loopstack.tools import ToolInfo, ToolSet
 from tqdm import tqdm
 
 from .catalog import CatalogIndex
-from .datasets import CATALOGS, RETRIEVAL_SETS, load_catalog, load_retrieval_set
+from .datasets import (
+    CATALOGS,
+    RETRIEVAL_SETS,
+    Query,
+    RetrievalSet,
+    load_catalog,
+    load_retrieval_set,
+)
 from .docs import function_tool
+from .hybrid import HybridIndex
 from .minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
 from .plugin import ToolSearch
-from .retrieval import build_index, evaluate, lexical_overlap
+from .retrieval import build_index, evaluate, evaluate_learned, lexical_overlap
 from .schema_tokens import schema_tokens
 from .search import ToolSearchTool, search_tools_async
 from .state import STATE_KEY, RequestTools
@@ -162,9 +170,26 @@ class ToolSearchWorkload(Workload):
                 out[f"recall@1{suffix}.{name}"] = scores.recall_at_1
                 out[f"recall@5{suffix}.{name}"] = scores.recall_at_5
                 out[f"ndcg@10{suffix}.{name}"] = scores.ndcg_at_10
+                if retriever == "hybrid" and cfg.usage_weight > 0:
+                    out.update(self._learned(state, dataset, queries, name))
             out[f"lexical_overlap.{name}"] = lexical_overlap(dataset)  # the ceiling of term matching
             self._sizes[name] = {"tools": scores.num_tools, "queries": scores.num_queries}
         return out
+
+    def _learned(self, state: _Column, dataset: RetrievalSet, queries: list[Query], name: str) -> dict[str, float]:
+        """Learning from use: half the set's questions remembered with their gold tools,
+        the other half searched without and with that memory (:func:`.retrieval.evaluate_learned`)."""
+        assert state.plugin is not None
+        cfg = state.plugin.config
+        index = build_index(dataset, state.plugin.weights, k1=cfg.k1, b=cfg.b, embedder=state.embedder("hybrid"),
+                            dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity,
+                            usage_weight=cfg.usage_weight)
+        assert isinstance(index, HybridIndex)
+        without, learned = evaluate_learned(
+            index, queries, seed=self._seed,
+            progress=lambda q, n=f"{name} learned": tqdm(q, desc=f"  {n}", leave=False, unit="q"))
+        return {f"recall@5_heldout.{name}": without.recall_at_5, f"recall@5_learned.{name}": learned.recall_at_5,
+                f"ndcg@10_heldout.{name}": without.ndcg_at_10, f"ndcg@10_learned.{name}": learned.ndcg_at_10}
 
     # -- latency -----------------------------------------------------------------------
 

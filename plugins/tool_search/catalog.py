@@ -41,15 +41,16 @@ class CatalogIndex:
         weights, k1, b: BM25F settings.
         max_hinted_namespaces: see :func:`.namespaces.namespace_lines`.
         embedder: makes the index a :class:`HybridIndex`; None for BM25 alone.
-        dense_weight, min_similarity: the hybrid's fusion settings.
+        dense_weight, min_similarity, usage_weight: the hybrid's fusion settings.
     """
 
     def __init__(self, weights: FieldWeights | None = None, *, k1: float = 1.2, b: float = 0.75,
                  max_hinted_namespaces: int = 32, embedder: Embedder | None = None,
-                 dense_weight: float = 0.7, min_similarity: float = 0.15) -> None:
+                 dense_weight: float = 0.7, min_similarity: float = 0.15, usage_weight: float = 0.0) -> None:
         self.index: ToolIndex = (
             ToolIndex(weights, k1=k1, b=b) if embedder is None
-            else HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity)
+            else HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity,
+                             usage_weight=usage_weight)
         )
         self.max_hinted_namespaces = max_hinted_namespaces
         self.infos: dict[str, ToolInfo] = {}
@@ -94,6 +95,12 @@ class CatalogIndex:
     def search(self, query: str, limit: int) -> list[Hit]:
         with self.lock:
             return self.index.search(query, limit)
+
+    def remember(self, query: str, name: str) -> bool:
+        """A search for ``query`` led to a successful call of tool ``name``: remember it
+        (hybrid only; see :mod:`.usage`). False when nothing new was remembered."""
+        with self.lock:
+            return isinstance(self.index, HybridIndex) and self.index.remember(query, name)
 
     def description(self, infos: Sequence[ToolInfo]) -> str:
         """``tool_search``'s description for ``infos``, recomputed only when they change

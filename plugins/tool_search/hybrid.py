@@ -20,6 +20,7 @@ import numpy as np
 
 from .dense import DenseVectors
 from .index import FieldWeights, Hit, ToolDoc, ToolIndex
+from .usage import UsageMemory
 
 if TYPE_CHECKING:
     from .embedder import Embedder
@@ -78,15 +79,19 @@ class HybridIndex(ToolIndex):
         dense_weight: share of the embedding in the fused score (0: BM25 order, 1: embedding order).
         min_similarity: a tool that matches no query term is a hit only from this cosine up.
         chunk_words: words per embedded chunk of a tool's text.
+        usage_weight: weight of :attr:`usage` (remembered queries that led to a call of
+            the tool) added to the fused score; 0 ignores it.
     """
 
     def __init__(self, embedder: Embedder, weights: FieldWeights | None = None, *, k1: float = 1.2,
                  b: float = 0.75, max_query_terms: int = 64, dense_weight: float = 0.7,
-                 min_similarity: float = 0.15, chunk_words: int = 64) -> None:
+                 min_similarity: float = 0.15, chunk_words: int = 64, usage_weight: float = 0.0) -> None:
         super().__init__(weights, k1=k1, b=b, max_query_terms=max_query_terms)
         self.dense = DenseVectors(embedder, chunk_words=chunk_words)
         self.dense_weight = dense_weight
         self.min_similarity = min_similarity
+        self.usage_weight = usage_weight
+        self.usage = UsageMemory(embedder.dim)
 
     @property
     def embedder(self) -> Embedder:
@@ -126,7 +131,17 @@ class HybridIndex(ToolIndex):
         similarity = self.dense.similarities(vector, len(self._live), len(self._docs))  # [capacity]
         scores = fuse(self.scores(query), similarity, self._live, dense_weight=self.dense_weight,
                       min_similarity=self.min_similarity)
+        if self.usage_weight > 0 and len(self.usage):
+            used = self.usage.similarities(vector, self._slot_of, len(scores), self._num_upserts + self._num_removes)
+            scores = np.where(self._live, scores + self.usage_weight * used, 0.0)
         return self._select(query, scores, limit, allowed)
+
+    def remember(self, query: str, key: str) -> bool:
+        """Remember that a search for ``query`` led to a call of tool ``key`` (see
+        :mod:`.usage`); False when the tool is not in the index or the pair is known."""
+        if key not in self:
+            return False
+        return self.usage.add(query, self.embedder.embed_query(query), key)
 
     def statistics(self) -> HybridStatistics:
         base = super().statistics()

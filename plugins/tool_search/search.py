@@ -92,6 +92,8 @@ def _load(ctx: RequestContext, query: str, hits: list[Hit]) -> ToolResult:
         return ToolResult(f"No tools match {query[:200]!r}. Try other words or a namespace. "
                           f"Namespaces:\n{_namespaces_text(tools)}")
     infos = [tools.deferred[hit.key] for hit in hits]
+    for info in infos:  # a call of one of them teaches the catalog this query (usage_weight)
+        session.found_by[info.name] = query
     new = [info for info in infos if info.name not in session.loaded]
     for info in new:
         session.loaded[info.name] = function_tool(info)

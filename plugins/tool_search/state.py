@@ -23,6 +23,7 @@ class SessionTools:
     loaded: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_searches: int = 0
     num_requests: int = 0
+    found_by: dict[str, str] = field(default_factory=dict)  # tool name -> the last query that found it
 
 
 @dataclass

@@ -77,3 +77,9 @@ def test_a_quick_run_reports_every_metric_off_and_on():
         # a restarted process reads the vectors an earlier one stored instead of embedding them
         restart = result.metrics["index_restart_s.docker_registry"][on]
         assert 0 < restart < result.metrics["index_build_s.docker_registry"][on] / 3
+        # learning from use: half of each set's questions remembered, the other half searched
+        for name in SETS:
+            assert 0.0 < result.metrics[f"recall@5_heldout.{name}"][on] <= 1.0
+            assert 0.0 < result.metrics[f"recall@5_learned.{name}"][on] <= 1.0
+        # 100 remembered questions (quick) lift few of the other 100; on MetaTool, never fewer
+        assert result.metrics["recall@5_learned.metatool"][on] >= result.metrics["recall@5_heldout.metatool"][on]
