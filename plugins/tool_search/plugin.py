@@ -57,8 +57,8 @@ class ToolSearchConfig(PluginConfig):
     )
     dense_weight: float = Field(0.7, ge=0, le=1, description="hybrid: share of the embedding similarity in the score")
     usage_weight: float = Field(
-        1.0, ge=0, le=2, description="hybrid: learn from use: a search whose tool the model then calls is remembered, "
-        "and a like query later gets this weight times its similarity to it; 0 turns learning off"
+        0.0, ge=0, le=2, description="hybrid: learn from use: a search whose tool the model then calls is remembered, "
+        "and a like query later gets this weight times its similarity to it (1.0 measured best); 0: off"
     )
     min_similarity: float = Field(
         0.15, ge=-1, le=1, description="hybrid: a tool sharing no term with the query needs this cosine to be a hit"

@@ -23,6 +23,7 @@ from tool_search_support import (
     runtime_with,
 )
 
+LEARN = ON + "usage_weight = 1.0\n"
 needs_minilm = pytest.mark.skipif(importlib.util.find_spec(minilm.MODEL_PACKAGE) is None,
                                   reason=f"needs `{minilm.INSTALL_COMMAND}`")
 
@@ -135,21 +136,21 @@ def test_a_search_whose_tool_is_then_called_is_remembered_once(tmp_path):
     search = call(SEARCH_TOOL_NAME, {"query": "open a new issue", "limit": 2}, "c1")
     create = call("create_issue", {"owner": "o", "repo": "r", "title": "t"}, "c2")
     again = call("create_issue", {"owner": "o", "repo": "r", "title": "u"}, "c3")
-    catalog, runtime = _run(tmp_path, ON, [[search], [create], [again], [answer("ok")]])
+    catalog, runtime = _run(tmp_path, LEARN, [[search], [create], [again], [answer("ok")]])
     assert _remembered(catalog) == [("open a new issue", "create_issue")]  # the second call adds nothing
     metrics = {m["name"]: m for m in runtime.metrics.snapshot()["metrics"]}
     assert sum(s["value"] for s in metrics["tool_search_learned_uses_total"]["series"]) == 1
 
 
 @needs_minilm
-def test_failed_calls_unsearched_calls_and_usage_weight_zero_teach_nothing(tmp_path):
+def test_failed_calls_unsearched_calls_and_the_default_usage_weight_teach_nothing(tmp_path):
     search = call(SEARCH_TOOL_NAME, {"query": "open a new issue", "limit": 2}, "c1")
     bad = call("create_issue", {"owner": "o"}, "c2")  # missing arguments: an error result
-    catalog, _ = _run(tmp_path, ON, [[search], [bad], [answer("ok")]], name="bad")
+    catalog, _ = _run(tmp_path, LEARN, [[search], [bad], [answer("ok")]], name="bad")
     assert _remembered(catalog) == []
     direct = call("list_issues", {"owner": "o", "repo": "r"}, "c1")  # called by name, never searched
-    catalog, _ = _run(tmp_path, ON, [[direct], [answer("ok")]], name="direct")
+    catalog, _ = _run(tmp_path, LEARN, [[direct], [answer("ok")]], name="direct")
     assert _remembered(catalog) == []
     create = call("create_issue", {"owner": "o", "repo": "r", "title": "t"}, "c2")
-    catalog, _ = _run(tmp_path, ON + "usage_weight = 0\n", [[search], [create], [answer("ok")]], name="off")
+    catalog, _ = _run(tmp_path, ON, [[search], [create], [answer("ok")]], name="off")  # usage_weight = 0
     assert _remembered(catalog) == []
