@@ -129,11 +129,14 @@ class ToolSearch(Plugin):
             except EmbeddingModelUnavailable as error:
                 self._fall_back(error)
         if self.retriever == "hybrid" and cfg.embedding_device == "cuda":
-            import torch  # only a stack that asks for the GPU pays for the import here
+            # the engine's check; only a stack that asks for the GPU pays for importing torch here
+            from loopstack.engine.device import resolve_device
 
-            if not torch.cuda.is_available():
-                raise ValueError("tool_search: embedding_device = 'cuda', but CUDA is not available here; "
-                                 "use 'auto' (the GPU where there is one) or 'cpu'")
+            try:
+                resolve_device(cfg.embedding_device)
+            except ValueError as error:
+                raise ValueError(f"tool_search: embedding_device = 'cuda': {error}; use 'auto' (the GPU where "
+                                 "there is one) or 'cpu'") from None
         self.catalogs = CatalogCache(weights=self.weights, k1=cfg.k1, b=cfg.b,
                                      max_hinted_namespaces=cfg.max_hinted_namespaces, embedder=self.embedder,
                                      dense_weight=cfg.dense_weight, min_similarity=cfg.min_similarity,
