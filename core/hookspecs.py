@@ -115,6 +115,19 @@ def loopstack_tool_middleware(runtime: StackRuntime) -> MiddlewareFactory | None
     or ``None``."""
 
 
+@hookspec
+def loopstack_tool_call_delta(call_id: str, name: str, arguments: str, ctx: RequestContext) -> None:
+    """The model is writing a call of tool ``name``: ``arguments`` is its text so far (the
+    model's own, usually not yet valid JSON), once per streamed piece.
+
+    For starting work on a call before it is complete (``tool_search`` embeds the query
+    while the model writes the call's last tokens). Called on the event loop by the clients
+    that receive streamed events (the embedded client, the WebSocket client, the HTTP
+    client when it streams); it must return at once and hand slow work to a thread. The
+    complete call still arrives as usual; an exception here is logged and ignored.
+    """
+
+
 # --------------------------------------------------------------------------------------
 # API layer
 # --------------------------------------------------------------------------------------

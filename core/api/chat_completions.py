@@ -130,7 +130,8 @@ async def _parts(prepared: Prepared, ctx: Any, state: Any) -> AsyncIterator[tupl
             if kind == "response.output_text.delta":
                 yield "text", event["delta"]
             elif kind == "response.output_item.done" and event["item"].get("type") == "function_call":
-                yield "call", event["item"]
+                if event["item"].get("status") == "completed":  # not one abandoned mid-stream
+                    yield "call", event["item"]
             elif kind in TERMINAL:
                 yield "end", event["response"]
 

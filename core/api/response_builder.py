@@ -7,9 +7,13 @@ tool-call stream parser) and emits the event sequence the OpenAI SDK expects::
     response.output_item.added (message), response.content_part.added,
     response.output_text.delta ..., response.output_text.done, response.content_part.done,
     response.output_item.done,
-    response.output_item.added (function_call), response.function_call_arguments.delta,
+    response.output_item.added (function_call), response.function_call_arguments.delta ...,
     response.function_call_arguments.done, response.output_item.done, ...
     response.completed | response.incomplete | response.failed
+
+A call's item opens as soon as the model has written its name (:meth:`function_call_begin`)
+and its arguments stream as the model writes them (:meth:`function_call_arguments`); the
+``.done`` events carry the arguments as normalized JSON, which is what the response keeps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ResponseBuilder:
         self._sequence = 0
         self._message: dict[str, Any] | None = None
         self._text: list[str] = []
+        self._call: dict[str, Any] | None = None  # the function call whose arguments are streaming
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -92,15 +97,47 @@ class ResponseBuilder:
             self._event("response.output_item.done", output_index=index, item=dict(message)),
         ]
 
-    def function_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
+    def function_call_begin(self, name: str) -> list[dict[str, Any]]:
+        """Open a function call item whose arguments will stream."""
         events = self._close_message()
-        item = {"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"), "name": name,
-                "arguments": "", "status": "in_progress"}
-        index = len(self.output)
-        self.output.append(item)
-        events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=arguments))
+        self._call = {"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"), "name": name,
+                      "arguments": "", "status": "in_progress"}
+        self.output.append(self._call)
+        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item=dict(self._call)))
+        return events
+
+    def function_call_arguments(self, delta: str) -> list[dict[str, Any]]:
+        """More of the open call's arguments, as the model wrote them."""
+        if self._call is None or not delta:
+            return []
+        return [self._event("response.function_call_arguments.delta", item_id=self._call["id"],
+                            output_index=self.output.index(self._call), delta=delta)]
+
+    def function_call_abandon(self) -> list[dict[str, Any]]:
+        """The open call did not parse after all (its text follows as message text): its
+        item ends ``incomplete`` and leaves the response's output."""
+        if self._call is None:
+            return []
+        item, self._call = self._call, None
+        index = self.output.index(item)
+        del self.output[index]
+        item["status"] = "incomplete"
+        return [self._event("response.output_item.done", output_index=index, item=dict(item))]
+
+    def function_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
+        """A complete call: closes the open one (its ``.done`` events), or adds it whole."""
+        if self._call is not None:
+            item, self._call = self._call, None
+            index = self.output.index(item)
+            events = []
+        else:
+            events = self.function_call_begin(name)
+            item, self._call = self._call, None
+            assert item is not None
+            index = len(self.output) - 1
+            events += [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=index, delta=arguments)]
         item.update(arguments=arguments, status="completed")
         events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=name, arguments=arguments))

@@ -246,7 +246,7 @@ class ResponsesService:
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
             yield event
-        parser = ToolCallStreamParser(prepared.tool_names)
+        parser = ToolCallStreamParser(prepared.tool_names, stream_arguments=True)
         last = None
         hidden = prepared.hidden_request
         try:
@@ -287,6 +287,12 @@ class ResponsesService:
     def _apply(builder: ResponseBuilder, kind: str, value: Any) -> list[dict[str, Any]]:
         if kind == "text":
             return builder.text(value)
+        if kind == "call_begin":
+            return builder.function_call_begin(value)
+        if kind == "call_arguments":
+            return builder.function_call_arguments(value)
+        if kind == "call_abandon":
+            return builder.function_call_abandon()
         return builder.function_call(value.name, value.arguments)
 
     async def remember(self, prepared: Prepared, response: dict[str, Any],

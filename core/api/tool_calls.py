@@ -207,9 +207,11 @@ class ParsedCall:
 
 
 class StreamEvent(NamedTuple):
-    """What :class:`ToolCallStreamParser` releases: ``("text", str)`` or ``("call", ParsedCall)``."""
+    """What :class:`ToolCallStreamParser` releases: ``("text", str)`` or ``("call", ParsedCall)``;
+    with ``stream_arguments``, also ``("call_begin", name)``, ``("call_arguments", delta)`` and
+    ``("call_abandon", None)`` (see the parser)."""
 
-    kind: Literal["text", "call"]
+    kind: Literal["text", "call", "call_begin", "call_arguments", "call_abandon"]
     value: Any
 
 
@@ -271,15 +273,26 @@ class ToolCallStreamParser:
     may turn out to be trailing) and ``("call", ParsedCall)`` when a block closes.
     :meth:`close` flushes the rest. The concatenated text and the calls equal
     :func:`parse_tool_calls` on the whole text.
+
+    With ``stream_arguments``, a block whose head reads ``{"name": "<known tool>",
+    "arguments": `` also releases ``("call_begin", name)`` at once and then
+    ``("call_arguments", delta)`` as the model writes the arguments (its own text, holding
+    back a tail that could be the block's closing ``}`` and ``</tool_call>``), so a client can
+    start work on a call before it is complete. The block's ``("call", ParsedCall)`` follows
+    as before, its ``arguments`` the normalized JSON; a begun block that then fails to parse
+    releases ``("call_abandon", None)`` and then its text, as without streaming.
     """
 
-    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+    def __init__(self, tool_names: Collection[str] | None = None, *, stream_arguments: bool = False) -> None:
         self._tool_names = tool_names
+        self._stream_arguments = stream_arguments
         self._buffer = ""
         self._in_block = False
         self._search_from = 0
         self._has_text = False
         self._pending_space = ""
+        self._arguments_at = -1  # where the arguments start in the open block; -1: not begun
+        self._arguments_sent = 0  # characters of them released as call_arguments
         self.num_calls = 0
 
     def feed(self, delta: str) -> list[StreamEvent]:
@@ -291,11 +304,19 @@ class ToolCallStreamParser:
                 end = self._buffer.find(TOOL_CALL_CLOSE, self._search_from)
                 if end < 0:  # a long block is scanned once, not once per delta
                     self._search_from = max(len(TOOL_CALL_OPEN), len(self._buffer) - len(TOOL_CALL_CLOSE) + 1)
+                    if self._stream_arguments:
+                        self._stream_open_block(events)
                     return events
                 end += len(TOOL_CALL_CLOSE)
                 block, self._buffer = self._buffer[:end], self._buffer[end:]
                 self._in_block = False
-                call = _decode_call(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)], self._tool_names)
+                body = block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)]
+                call = _decode_call(body, self._tool_names)
+                begun, self._arguments_at = self._arguments_at, -1
+                if begun >= 0 and call is not None:
+                    self._finish_arguments(body[begun - len(TOOL_CALL_OPEN) :], events)
+                elif begun >= 0:
+                    events.append(StreamEvent("call_abandon", None))
                 if call is not None:
                     self.num_calls += 1
                     events.append(StreamEvent("call", call))
@@ -315,9 +336,39 @@ class ToolCallStreamParser:
     def close(self) -> list[StreamEvent]:
         """End of output: an unterminated block or held-back tail is released as text."""
         events: list[StreamEvent] = []
+        if self._arguments_at >= 0:
+            events.append(StreamEvent("call_abandon", None))
+            self._arguments_at = -1
         self._emit_text(self._buffer, events)
         self._buffer, self._in_block, self._pending_space = "", False, ""
         return events
+
+    def _stream_open_block(self, events: list[StreamEvent]) -> None:
+        """The open block's head as ``call_begin``, then what is certain of its arguments."""
+        if self._arguments_at < 0:
+            head = _CALL_HEAD.match(self._buffer, len(TOOL_CALL_OPEN))
+            if head is None:
+                return
+            try:
+                name = json.loads(head.group(1))
+            except ValueError:
+                return
+            if not name or (self._tool_names is not None and name not in self._tool_names):
+                return
+            self._arguments_at, self._arguments_sent = head.end(), 0
+            events.append(StreamEvent("call_begin", name))
+        written = self._buffer[self._arguments_at :]
+        # the tail may be the block's end: "}" (the object around the arguments), spaces, "</tool_call>"
+        certain = _BLOCK_END_TAIL.sub("", written[: len(written) - _partial_close_length(written)], count=1)
+        if len(certain) > self._arguments_sent:
+            events.append(StreamEvent("call_arguments", certain[self._arguments_sent :]))
+            self._arguments_sent = len(certain)
+
+    def _finish_arguments(self, arguments_text: str, events: list[StreamEvent]) -> None:
+        """The rest of a closed block's arguments (its text up to the object's closing brace)."""
+        rest = _BLOCK_END_TAIL.sub("", arguments_text, count=1)[self._arguments_sent :]
+        if rest:
+            events.append(StreamEvent("call_arguments", rest))
 
     def _emit_text(self, text: str, events: list[StreamEvent]) -> None:
         if not self._has_text:
@@ -329,6 +380,19 @@ class ToolCallStreamParser:
         events.append(StreamEvent("text", self._pending_space + body))
         self._pending_space = text[len(body) :]
         self._has_text = True
+
+
+# the head of a Hermes call block, up to where its arguments start
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+_BLOCK_END_TAIL = re.compile(r"\s*(?:\}\s*)?\Z")
+
+
+def _partial_close_length(text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``</tool_call>``."""
+    for length in range(min(len(text), len(TOOL_CALL_CLOSE) - 1), 0, -1):
+        if TOOL_CALL_CLOSE.startswith(text[-length:]):
+            return length
+    return 0
 
 
 def _partial_open_length(text: str) -> int:

@@ -29,6 +29,7 @@ from ..api.http_responses import TERMINAL, observe
 from ..api.response_chain import ResponseJob, run_response
 from ..api.schemas import ResponsesRequest
 from ..context import Session
+from .call_stream import observe_stream_event
 from .model_client import ModelClientError, TextCallback, serialize_request
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class EmbeddedClient:
         with self.state.live.request(session=session) as server_ctx:
             async with aclosing(run_response(ResponseJob(self.state.service, prepared), server_ctx)) as stream:
                 async for event in stream:
+                    observe_stream_event(ctx, event)
                     if event["type"] == "response.output_text.delta" and on_text_delta is not None:
                         on_text_delta(event.get("delta", ""))
                     elif event["type"] in TERMINAL:

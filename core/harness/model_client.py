@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_check
 
 import httpx
 
+from .call_stream import observe_stream_event
+
 if TYPE_CHECKING:
     from ..context import RequestContext
 
@@ -271,7 +273,7 @@ class ResponsesHTTPClient:
         try:
             if on_text_delta is None:
                 return await self._post(body)
-            return await self._post_streaming(body, on_text_delta)
+            return await self._post_streaming(body, ctx, on_text_delta)
         except (ModelClientError, httpx.HTTPError):
             self._num_errors += 1
             raise
@@ -285,7 +287,7 @@ class ResponsesHTTPClient:
             raise _error_of(response)
         return response.json()
 
-    async def _post_streaming(self, body: bytes, on_text_delta: TextCallback) -> dict[str, Any]:
+    async def _post_streaming(self, body: bytes, ctx: RequestContext, on_text_delta: TextCallback) -> dict[str, Any]:
         async with self._http.stream("POST", "/responses", content=body) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -296,6 +298,7 @@ class ResponsesHTTPClient:
                 if not line.startswith("data:"):
                     continue
                 event = json.loads(line[5:])
+                observe_stream_event(ctx, event)
                 if event.get("type") == "response.output_text.delta":
                     on_text_delta(event.get("delta", ""))
                 elif (final := final_response(event, failed_status=response.status_code, error_status=500)) is not None:

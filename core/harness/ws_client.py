@@ -38,6 +38,7 @@ import anyio
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from .call_stream import observe_stream_event
 from .model_client import (
     ModelClientError,
     ServerEndpoint,
@@ -209,14 +210,14 @@ class ResponsesWebSocketClient:
             received = self._bytes_received
             try:
                 with anyio.fail_after(self._timeout_s):
-                    return await self._exchange(message.decode(), on_text_delta)
+                    return await self._exchange(message.decode(), ctx, on_text_delta)
             except (ModelClientError, TimeoutError):
                 self._num_errors += 1
                 raise
             finally:
                 observe_call_bytes(ctx, len(message), self._bytes_received - received)
 
-    async def _exchange(self, message: str, on_text_delta: TextCallback | None) -> dict[str, Any]:
+    async def _exchange(self, message: str, ctx: RequestContext, on_text_delta: TextCallback | None) -> dict[str, Any]:
         connection = await self._connect()
         try:
             await connection.send(message)
@@ -227,6 +228,7 @@ class ResponsesWebSocketClient:
                 is_first = False
                 self._bytes_received += len(raw)
                 event = json.loads(raw)
+                observe_stream_event(ctx, event)
                 if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
                     on_text_delta(event.get("delta", ""))
                 elif (final := final_response(event, failed_status=500, error_status=400)) is not None:

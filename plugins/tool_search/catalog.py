@@ -58,6 +58,9 @@ class CatalogIndex:
         self.is_built = False  # synced at least once: later syncs touch only what changed
         self.version = 0  # bumped by every sync that changes the tools
         self._description: tuple[tuple[ToolInfo, ...], str] | None = None
+        # the list of the last sync, held so the ids stay its objects': the same objects
+        # again (every request of a conversation) are one comparison in C, not a loop
+        self._last: tuple[list[ToolInfo], tuple[int, ...]] = ([], ())
         # sessions share a catalog and search from a worker thread (:mod:`.worker`) or inline
         self.lock = threading.RLock()
 
@@ -73,6 +76,9 @@ class CatalogIndex:
 
     def _sync(self, infos: Sequence[ToolInfo]) -> SyncResult:
         started = time.perf_counter()
+        ids = tuple(map(id, infos))
+        if self.is_built and ids == self._last[1]:
+            return SyncResult(0, 0, 0, time.perf_counter() - started)
         current = {info.name: info for info in infos}
         added = changed = 0
         for name, info in current.items():
@@ -86,6 +92,7 @@ class CatalogIndex:
             self.index.remove(name)
         self.index.flush()
         self.infos = current
+        self._last = (list(infos), ids)
         if added or changed or removed:
             self.num_syncs += 1
             self.version += 1
@@ -95,6 +102,14 @@ class CatalogIndex:
     def search(self, query: str, limit: int) -> list[Hit]:
         with self.lock:
             return self.index.search(query, limit)
+
+    def embed_query(self, query: str) -> bool:
+        """Embed ``query`` into the embedder's query cache ahead of its search (hybrid; the
+        catalog itself is not touched, so no lock). False for BM25."""
+        if not isinstance(self.index, HybridIndex):
+            return False
+        self.index.embedder.embed_query(query)
+        return True
 
     def remember(self, query: str, name: str) -> bool:
         """A search for ``query`` led to a successful call of tool ``name``: remember it

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 
 from .catalog import CatalogCache
 from .docs import function_tool
+from .early import streamed_query
 from .index import FieldWeights
 from .minilm import EmbeddingModelUnavailable, model_zip_path
 from .schema_tokens import TokenizerUnavailable, schema_tokens
@@ -67,6 +68,10 @@ class ToolSearchConfig(PluginConfig):
     embedding_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="hybrid: where the query's forward runs: the GPU where CUDA sees one (auto), or the "
         "named device"
+    )
+    embed_early: bool = Field(
+        True, description="hybrid: embed a search's query as soon as the model has written it, while it still "
+        "writes the rest of the call (where the client streams the call: embedded, WebSocket, streaming HTTP)"
     )
     search_threads: int = Field(
         0, ge=0, le=256, description="torch threads of the search thread (the hybrid's query forward); 0: one per "
@@ -201,6 +206,26 @@ class ToolSearch(Plugin):
         state.catalog = self.catalogs.get(deferred)
         tools.load(SEARCH_TOOL_NAME)
         tools.update(SEARCH_TOOL_NAME, description=state.catalog.description(deferred))
+
+    # -- a head start on the query's forward ----------------------------------------------
+
+    @hookimpl
+    def loopstack_tool_call_delta(self, call_id: str, name: str, arguments: str, ctx: RequestContext) -> None:
+        """The model is writing a ``tool_search`` call: once its query is complete, embed
+        it on the search thread, so the search finds the vector cached (:mod:`.early`)."""
+        if name != SEARCH_TOOL_NAME or not self.config.embed_early:
+            return
+        tools = ctx.state(STATE_KEY, RequestTools)
+        if tools.catalog is None or tools.catalog.retriever != "hybrid" or call_id in tools.embedded_early:
+            return
+        query = streamed_query(arguments)
+        if query is None:
+            return
+        tools.embedded_early.add(call_id)
+        query = query.strip()[: self.config.max_query_chars]  # the text the search will embed
+        if query:
+            self.worker.submit(tools.catalog.embed_query, query)
+            ctx.count("tool_search_early_embeds_total", help="queries embedded while the model wrote the call")
 
     # -- bookkeeping and metrics ---------------------------------------------------------
 

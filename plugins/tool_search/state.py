@@ -34,6 +34,7 @@ class RequestTools:
     catalog: CatalogIndex | None = None
     is_synced: bool = False  # the catalog was synced with ``deferred`` (once per request)
     synced_version: int = -1  # the catalog's version right after that sync
+    embedded_early: set[str] = field(default_factory=set)  # call ids whose query was embedded as it streamed
 
     def sync(self) -> None:
         """Make the catalog hold ``deferred`` (the first search of a request does this)."""

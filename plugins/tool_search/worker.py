@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import sniffio
@@ -33,6 +34,8 @@ import sniffio
 __all__ = ["SearchWorker"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class SearchWorker:
@@ -86,19 +89,32 @@ class SearchWorker:
             torch.set_num_threads(default_threads)
             self._local.threads = default_threads
 
+    def _started(self) -> ThreadPoolExecutor:
+        with self._start_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-search")
+            return self._executor
+
+    @staticmethod
+    def _default_threads() -> int | None:
+        # the caller's (the event loop thread's) count is the process's default
+        return sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the worker thread. Under an event loop other than asyncio's it
         runs inline."""
         call = functools.partial(fn, *args)
         if sniffio.current_async_library() != "asyncio":
             return call()
-        with self._start_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tool-search")
-            executor = self._executor
-        # the caller's (the event loop thread's) count is the process's default
-        default_threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
-        return await asyncio.get_running_loop().run_in_executor(executor, self._call, call, default_threads)
+        executor = self._started()
+        return await asyncio.get_running_loop().run_in_executor(executor, self._call, call, self._default_threads())
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future[object]:
+        """``fn(*args)`` on the worker thread, not awaited: a head start (searches queued
+        after it run after it). An exception it raises is logged, never raised."""
+        future = self._started().submit(self._call, functools.partial(fn, *args), self._default_threads())
+        future.add_done_callback(_log_failure)
+        return future
 
     def close(self) -> None:
         """Stop the thread once the searches already queued have run (a stack reload
@@ -108,6 +124,11 @@ class SearchWorker:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False)
+
+
+def _log_failure(future: Future[object]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("tool_search: a background task on the search thread failed", exc_info=future.exception())
 
 
 def _load_average() -> float:

@@ -203,6 +203,83 @@ def test_stream_holds_back_a_possible_tool_call_prefix():
     assert parser.close() == [] and parser.num_calls == 1
 
 
+# -- streamed arguments ------------------------------------------------------------------
+
+def stream_events(pieces: list[str], tool_names: set[str] | None = None) -> list[StreamEvent]:
+    parser = ToolCallStreamParser(tool_names, stream_arguments=True)
+    return [event for piece in pieces for event in parser.feed(piece)] + parser.close()
+
+
+def streamed_calls(events: list[StreamEvent]) -> list[list]:
+    """[name, the argument deltas joined, the call or None when abandoned] per begun block."""
+    out: list[list] = []
+    current: list | None = None
+    for kind, value in events:
+        if kind == "call_begin":
+            current = [value, "", None]
+            out.append(current)
+        elif kind == "call_arguments":
+            assert current is not None  # deltas only inside a begun block
+            current[1] += value
+        elif kind == "call" and current is not None:
+            current[2], current = value, None
+        elif kind == "call_abandon":
+            current = None
+    return out
+
+
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "call>", " ", "\n", "hi", '{"name": "f"',
+                                 ', "arguments": {"a": "}"}', ', "arguments": {}', "}", "<", "_call>", '{"b": 1}']),
+                max_size=12),
+       st.lists(st.integers(min_value=0, max_value=200), max_size=5))
+def test_streamed_arguments_change_neither_the_text_nor_the_calls(fragments, cuts):
+    text = "".join(fragments)
+    points = sorted({min(c, len(text)) for c in cuts})
+    events = stream_events([text[a:b] for a, b in zip([0, *points], [*points, len(text)])])
+    expected = parse_tool_calls(text)
+    assert ParsedOutput("".join(v for k, v in events if k == "text"), [v for k, v in events if k == "call"]) == expected
+    for name, arguments, call in streamed_calls(events):
+        if call is not None:  # a completed call's deltas are its arguments, as the model wrote them
+            assert call.name == name and json.loads(arguments) == json.loads(call.arguments)
+    begun = streamed_calls(events)  # every begun block ends as a call or is abandoned
+    assert len(begun) == sum(k == "call_abandon" for k, _ in events) + sum(call is not None for *_, call in begun)
+
+
+def test_arguments_stream_before_the_call_closes():
+    text = 'Sure.' + block("get_weather", {"city": "Paris", "unit": "C"})
+    events = stream_events(list(text), {"get_weather"})
+    kinds = [k for k, _ in events]
+    assert set(kinds[: kinds.index("call_begin")]) == {"text"} and kinds[-1] == "call"
+    first_call = kinds.index("call")
+    deltas = [v for k, v in events[:first_call] if k == "call_arguments"]
+    # every delta came out while the block was still open; the object's braces are held back
+    # until the model writes past them, the close tag never leaks into the arguments
+    assert "".join(deltas) == '{"city": "Paris", "unit": "C"}'
+    written = ""
+    for piece in text:  # the city is complete before the model reaches "</tool_call>"
+        written += piece
+        if '"Paris"' in "".join(v for k, v in stream_events([written], {"get_weather"}) if k == "call_arguments"):
+            break
+    assert "</tool_call>" not in written and '"unit"' not in written
+
+
+def test_a_begun_call_that_fails_to_parse_is_abandoned_and_stays_text():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"} oops}\n</tool_call>'
+    cut = text.index("oops")
+    events = stream_events([text[:cut], text[cut:]], {"get_weather"})
+    assert [k for k, _ in events] == ["call_begin", "call_arguments", "call_abandon", "text"]
+    assert events[-1].value == text
+    unterminated = stream_events(['<tool_call>\n{"name": "get_weather", "arguments": {"ci'], {"get_weather"})
+    assert [k for k, _ in unterminated] == ["call_begin", "call_arguments", "call_abandon", "text"]
+
+
+def test_no_call_begins_for_an_unknown_tool_or_without_streaming():
+    text = block("get_stock", {"symbol": "ACME"})
+    assert [k for k, _ in stream_events(list(text), {"get_weather"})] == ["text"]
+    parser = ToolCallStreamParser({"get_weather"})  # stream_arguments off: the old events only
+    assert [k for k, _ in parser.feed(block("get_weather", {"city": "Oslo"}))] == ["call"]
+
+
 # -- the real default model --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

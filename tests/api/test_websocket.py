@@ -50,6 +50,28 @@ def test_ten_turn_tool_conversation_on_one_connection(server):
             previous = done["response"]["id"]
 
 
+def test_a_call_streams_its_arguments_as_the_model_writes_them(server):
+    with connect(ws_url(server)) as ws:
+        ws.send(json.dumps({"type": "response.create", "input": "What's the weather in Paris right now?",
+                            "tools": [WEATHER_TOOL], "tool_choice": "required", "temperature": 0,
+                            "max_output_tokens": 40}))
+        events = []
+        while not events or events[-1]["type"] not in ("response.completed", "response.incomplete", "error"):
+            events.append(json.loads(ws.recv(timeout=120)))
+    kinds = [e["type"] for e in events]
+    assert events[-1]["type"] == "response.completed", events[-1]
+    added = kinds.index("response.output_item.added")
+    assert events[added]["item"]["type"] == "function_call" and events[added]["item"]["status"] == "in_progress"
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    done = kinds.index("response.function_call_arguments.done")
+    # the model's tokens arrive as they come (several deltas, all before .done), and together
+    # they are the arguments the completed call carries
+    assert len(deltas) > 1 and max(i for i, k in enumerate(kinds) if k.endswith("arguments.delta")) < done
+    [call] = [i for i in events[-1]["response"]["output"] if i["type"] == "function_call"]
+    assert json.loads("".join(deltas)) == json.loads(call["arguments"]) == {"city": "Paris"}
+    assert events[done]["arguments"] == call["arguments"] and call["id"] == events[added]["item"]["id"]
+
+
 def test_store_false_chains_live_on_the_connection(server):
     with connect(ws_url(server)) as ws:
         _, first = run_response(ws, input="Say hi.", store=False, temperature=0, max_output_tokens=8)

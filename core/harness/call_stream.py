@@ -1,0 +1,79 @@
+"""Tool calls as the model writes them: streamed events in, ``loopstack_tool_call_delta`` out.
+
+The server opens a ``function_call`` item as soon as the model has written the tool's name
+and streams its arguments (``response.function_call_arguments.delta``). A client that
+receives those events passes each one to :func:`observe_stream_event`, which keeps the
+arguments written so far per call and tells the stack's plugins, so one can start work
+on a call before it is complete (``tool_search`` embeds its query). The complete call
+still arrives in the final response; this is only a head start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..context import RequestContext
+
+__all__ = ["CallStreams", "observe_stream_event"]
+
+log = logging.getLogger(__name__)
+
+_STATE_KEY = "loopstack.call_stream"
+
+
+@dataclass
+class _Call:
+    call_id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CallStreams:
+    """The calls of one request whose arguments are streaming, by item id."""
+
+    open: dict[str, _Call] = field(default_factory=dict)
+    wanted: bool | None = None  # whether any plugin of this request implements the hook
+    num_deltas: int = 0
+    num_failures: int = 0
+
+
+def _streams(ctx: RequestContext) -> CallStreams | None:
+    """This request's record, or None when no plugin listens (nothing is kept then)."""
+    streams = ctx.state(_STATE_KEY, CallStreams)
+    if streams.wanted is None:
+        streams.wanted = bool(ctx.hooks.caller("loopstack_tool_call_delta").get_hookimpls())
+    return streams if streams.wanted else None
+
+
+def observe_stream_event(ctx: RequestContext, event: dict[str, Any]) -> None:
+    """Follow one Responses stream event; a streamed call's argument delta calls the stack's
+    ``loopstack_tool_call_delta`` hook with the arguments written so far. Never raises: a
+    plugin's failure is logged (once per request) and the stream goes on."""
+    kind = event.get("type")
+    if kind == "response.output_item.added":
+        item = event.get("item") or {}
+        if item.get("type") == "function_call" and isinstance(item.get("id"), str) \
+                and (streams := _streams(ctx)) is not None:
+            streams.open[item["id"]] = _Call(str(item.get("call_id", "")), str(item.get("name", "")))
+    elif kind == "response.function_call_arguments.delta":
+        streams = _streams(ctx)
+        call = streams.open.get(str(event.get("item_id"))) if streams is not None else None
+        if streams is None or call is None or not event.get("delta"):
+            return
+        call.arguments.append(str(event["delta"]))
+        streams.num_deltas += 1
+        try:
+            ctx.hooks.tool_call_delta(call_id=call.call_id, name=call.name, arguments="".join(call.arguments),
+                                      ctx=ctx)
+        except Exception:  # a head start must never fail the model call
+            streams.num_failures += 1
+            if streams.num_failures == 1:
+                log.warning("a loopstack_tool_call_delta hook failed; the call goes on", exc_info=True)
+    elif kind == "response.output_item.done":
+        item = event.get("item") or {}
+        if item.get("type") == "function_call" and (streams := _streams(ctx)) is not None:
+            streams.open.pop(str(item.get("id")), None)
