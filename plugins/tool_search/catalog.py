@@ -23,6 +23,7 @@ from .namespaces import search_tool_description
 
 if TYPE_CHECKING:
     from .embedder import Embedder
+    from .vector_store import VectorStore
 
 __all__ = ["CatalogCache", "CatalogIndex", "SyncResult"]
 
@@ -42,17 +43,23 @@ class CatalogIndex:
         max_hinted_namespaces: see :func:`.namespaces.namespace_lines`.
         embedder: makes the index a :class:`HybridIndex`; None for BM25 alone.
         dense_weight, min_similarity, usage_weight: the hybrid's fusion settings.
+        name: the catalog's identity in the embedder's disk store, where its learned uses
+            are kept (hybrid, ``usage_weight`` above 0): its first sync loads what earlier
+            processes learned. None keeps them in memory only.
     """
 
     def __init__(self, weights: FieldWeights | None = None, *, k1: float = 1.2, b: float = 0.75,
                  max_hinted_namespaces: int = 32, embedder: Embedder | None = None,
-                 dense_weight: float = 0.7, min_similarity: float = 0.15, usage_weight: float = 0.0) -> None:
+                 dense_weight: float = 0.7, min_similarity: float = 0.15, usage_weight: float = 0.0,
+                 name: str | None = None) -> None:
         self.index: ToolIndex = (
             ToolIndex(weights, k1=k1, b=b) if embedder is None
             else HybridIndex(embedder, weights, k1=k1, b=b, dense_weight=dense_weight, min_similarity=min_similarity,
                              usage_weight=usage_weight)
         )
         self.max_hinted_namespaces = max_hinted_namespaces
+        self.name = name
+        self.num_restored_uses = 0
         self.infos: dict[str, ToolInfo] = {}
         self.num_syncs = 0
         self.is_built = False  # synced at least once: later syncs touch only what changed
@@ -79,6 +86,8 @@ class CatalogIndex:
         ids = tuple(map(id, infos))
         if self.is_built and ids == self._last[1]:
             return SyncResult(0, 0, 0, time.perf_counter() - started)
+        if not self.is_built:
+            self._restore_uses()
         current = {info.name: info for info in infos}
         added = changed = 0
         for name, info in current.items():
@@ -113,9 +122,33 @@ class CatalogIndex:
 
     def remember(self, query: str, name: str) -> bool:
         """A search for ``query`` led to a successful call of tool ``name``: remember it
-        (hybrid only; see :mod:`.usage`). False when nothing new was remembered."""
+        (hybrid only; see :mod:`.usage`), on disk too where the catalog has a ``name`` and
+        the embedder a store. False when nothing new was remembered."""
         with self.lock:
-            return isinstance(self.index, HybridIndex) and self.index.remember(query, name)
+            if not isinstance(self.index, HybridIndex) or not self.index.remember(query, name):
+                return False
+            store, embedder = self._use_store(), self.index.embedder
+            if store is not None and self.name is not None:  # (a store implies a name)
+                store.add_use(embedder.model_key, self.name, query, name, embedder.embed_query(query),
+                              max_per_catalog=self.index.usage.max_entries)
+            return True
+
+    def _use_store(self) -> VectorStore | None:
+        """Where learned uses are kept: the embedder's disk store, for a named hybrid
+        catalog that learns."""
+        if not isinstance(self.index, HybridIndex) or self.index.usage_weight <= 0 or self.name is None:
+            return None
+        return self.index.embedder.store
+
+    def _restore_uses(self) -> None:
+        """The uses earlier processes learned for this catalog, oldest first (first sync)."""
+        store = self._use_store()
+        if store is None or self.name is None or not isinstance(self.index, HybridIndex):
+            return  # (a store implies the other two; the checks narrow the types)
+        embedder, usage = self.index.embedder, self.index.usage
+        for query, tool, vector in store.uses(embedder.model_key, self.name, usage.max_entries):
+            if vector.shape == (usage.dim,):
+                self.num_restored_uses += usage.add(query, vector, tool)
 
     def description(self, infos: Sequence[ToolInfo]) -> str:
         """``tool_search``'s description for ``infos``, recomputed only when they change
@@ -150,7 +183,8 @@ class CatalogCache:
         catalog = self._entries.get(key)
         if catalog is None:
             embedder = self._embedder() if self._embedder is not None else None
-            catalog = CatalogIndex(embedder=embedder, **self._options)  # type: ignore[arg-type]
+            name = "\n".join(sorted(namespace or "" for namespace in key))  # its learned uses, on disk
+            catalog = CatalogIndex(embedder=embedder, name=name, **self._options)  # type: ignore[arg-type]
             self._entries[key] = catalog
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -78,7 +78,8 @@ class ToolSearchConfig(PluginConfig):
         "core on an idle machine, 1 when the load average says the cores are busy"
     )
     vector_cache: str = Field(
-        "default", description="hybrid: tool vectors on disk, shared by processes: 'default' "
+        "default", description="hybrid: tool vectors, and the uses learned with usage_weight, on disk, shared by "
+        "processes: 'default' "
         "($LOOPSTACK_CACHE_DIR/tool_search/vectors.sqlite3, else $XDG_CACHE_HOME/loopstack/..., else "
         "~/.cache/loopstack/...), '' for none, or the path of a file"
     )

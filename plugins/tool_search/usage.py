@@ -7,7 +7,9 @@ query of that tool (from ``floor`` up) to the hybrid score. So a phrasing that t
 own text does not match ranks it once a conversation has used it for a like request.
 
 The memory is a ring of ``max_entries`` rows (the oldest is overwritten first) that lives
-with the catalog index in the process; it starts empty in a new process. Adding a pair
+with the catalog index in the process. The catalog also writes each new pair to the
+embedder's disk store and reads them back at its first sync (:meth:`.catalog.CatalogIndex.remember`),
+so a restart forgets nothing where that file is usable. Adding a pair
 writes one row; a search reads the rows in one matrix product. Measured on the retrieval
 sets, with half of each set's questions as remembered uses: docs/techniques/tool-search.md.
 """

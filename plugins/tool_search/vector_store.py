@@ -1,9 +1,11 @@
-"""Document vectors on disk, so a restarted process embeds nothing it embedded before.
+"""Document vectors on disk, so a restarted process embeds nothing it embedded before;
+and the uses a catalog learned (:mod:`.usage`), so a restart forgets none.
 
 One SQLite file in WAL mode: several processes may read and write it at once (readers
-never wait for a writer; writers wait up to ``timeout_s`` for each other). A row is
-(model key, sha256 of the text) -> float32 vector. It is a cache: nothing here may break
-a search. A file that cannot be opened, a full disk or a read-only directory logs one
+never wait for a writer; writers wait up to ``timeout_s`` for each other). A vector row
+is (model key, sha256 of the text) -> float32 vector, a cache. A use row is (model key,
+catalog, query, tool) -> the query's vector: learned state, bounded per catalog and never
+evicted for the vectors. Nothing here may break a search. A file that cannot be opened, a full disk or a read-only directory logs one
 warning naming the file, and the store turns itself off (the embedder keeps its memory
 cache); a corrupt file is moved aside to ``<name>.corrupt-<timestamp>`` and a new one
 started.
@@ -27,7 +29,7 @@ __all__ = ["SCHEMA_VERSION", "VectorStore", "VectorStoreStatistics", "default_pa
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: vectors; 2: also uses (learning from use), added in place to a version 1 file
 _REFRESH_AFTER_S = 86_400  # a hit rewrites last_used only when it is older: reads stay reads
 _SCHEMA = (
     "CREATE TABLE models (id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, dim INTEGER NOT NULL)",
@@ -40,6 +42,15 @@ _SCHEMA = (
 )""",
     "CREATE INDEX vectors_by_last_used ON vectors (last_used)",
 )
+_USES = """CREATE TABLE uses (
+    model_id INTEGER NOT NULL REFERENCES models (id),
+    catalog TEXT NOT NULL,  -- the catalog's namespaces, sorted, one per line
+    query TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    vector BLOB NOT NULL,  -- the query's, little-endian float32
+    created INTEGER NOT NULL,  -- unix seconds
+    PRIMARY KEY (model_id, catalog, query, tool)
+)"""
 _UPSERT = """INSERT INTO vectors (model_id, key, vector, last_used) VALUES (?, ?, ?, ?)
 ON CONFLICT (model_id, key) DO UPDATE SET vector = excluded.vector, last_used = excluded.last_used"""
 _EVICT = "DELETE FROM vectors WHERE rowid IN (SELECT rowid FROM vectors ORDER BY last_used, rowid LIMIT ?)"
@@ -243,18 +254,59 @@ class VectorStore:
             raise ValueError(f"vectors must be 1-d and of one size, got shapes {sorted(shapes)}")
         now = int(self.clock())
         with _transaction(db):
-            model = self._model(db, model_key)
-            if model is None:
-                model = (db.execute("INSERT INTO models (key, dim) VALUES (?, ?)", (model_key, shape[0])).lastrowid,
-                         shape[0])
-            if model[1] != shape[0]:
-                raise ValueError(f"{shape[0]}-d vectors for model key {model_key!r}, stored as {model[1]}-d")
-            db.executemany(_UPSERT, [(model[0], digest, vector.tobytes(), now) for digest, vector in rows])
+            model_id = self._model_id(db, model_key, shape[0])
+            db.executemany(_UPSERT, [(model_id, digest, vector.tobytes(), now) for digest, vector in rows])
             excess = db.execute("SELECT count(*) FROM vectors").fetchone()[0] - self.max_entries
             if excess > 0:
                 db.execute(_EVICT, (excess,))
         self._num_puts += len(rows)
         self._num_evicted += max(excess, 0)
+
+    # -- learned uses (learning from use, see .usage) -------------------------------------
+
+    def add_use(self, model_key: str, catalog: str, query: str, tool: str, vector: np.ndarray, *,
+                max_per_catalog: int) -> None:
+        """Keep a (query, tool) pair a catalog learned, with the query's vector; a known
+        pair is left as it is. Past ``max_per_catalog`` pairs of that catalog and model,
+        the oldest go. Unlike the vectors, uses are not evicted for ``max_entries``."""
+        row = np.ascontiguousarray(vector, dtype="<f4")
+        if row.ndim != 1:
+            raise ValueError(f"a use's vector must be 1-d, got shape {row.shape}")
+
+        def write(db: sqlite3.Connection) -> None:
+            with _transaction(db):
+                model_id = self._model_id(db, model_key, len(row))
+                db.execute("INSERT OR IGNORE INTO uses (model_id, catalog, query, tool, vector, created) "
+                           "VALUES (?, ?, ?, ?, ?, ?)", (model_id, catalog, query, tool, row.tobytes(),
+                                                         int(self.clock())))
+                db.execute("DELETE FROM uses WHERE rowid IN (SELECT rowid FROM uses WHERE model_id = ? AND "
+                           "catalog = ? ORDER BY created DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                           (model_id, catalog, max_per_catalog))
+
+        self._run("use write", write, None)
+
+    def uses(self, model_key: str, catalog: str, limit: int) -> list[tuple[str, str, np.ndarray]]:
+        """The newest ``limit`` (query, tool, vector) uses of ``catalog`` for ``model_key``,
+        oldest first (the order they were learned in)."""
+        def read(db: sqlite3.Connection) -> list[tuple[str, str, np.ndarray]]:
+            model = self._model(db, model_key)
+            if model is None:
+                return []
+            rows = db.execute("SELECT query, tool, vector FROM uses WHERE model_id = ? AND catalog = ? "
+                              "ORDER BY created DESC, rowid DESC LIMIT ?", (model[0], catalog, limit)).fetchall()
+            return [(query, tool, np.frombuffer(blob, dtype="<f4")) for query, tool, blob in reversed(rows)
+                    if len(blob) == 4 * model[1]]
+
+        return self._run("use read", read, [])
+
+    def _model_id(self, db: sqlite3.Connection, model_key: str, dim: int) -> int:
+        """The id of ``model_key``, added with ``dim`` if new (inside a transaction)."""
+        model = self._model(db, model_key)
+        if model is None:
+            model = (db.execute("INSERT INTO models (key, dim) VALUES (?, ?)", (model_key, dim)).lastrowid, dim)
+        if model[1] != dim:
+            raise ValueError(f"{dim}-d vectors for model key {model_key!r}, stored as {model[1]}-d")
+        return int(model[0])
 
     def _model(self, db: sqlite3.Connection, model_key: str) -> tuple[int, int] | None:
         model = self._model_ids.get(model_key)
@@ -307,9 +359,11 @@ def _prepare(db: sqlite3.Connection) -> None:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version == 0 and db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
             raise _Unusable("a SQLite file with other tables, not a loopstack vector cache")
-        if version not in (0, SCHEMA_VERSION):
-            raise _Unusable(f"schema version {version}; this loopstack reads {SCHEMA_VERSION}")
+        if version not in (0, 1, SCHEMA_VERSION):
+            raise _Unusable(f"schema version {version}; this loopstack reads {SCHEMA_VERSION} (and 1)")
         if version == 0:
             for statement in _SCHEMA:
                 db.execute(statement)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        if version < 2:  # a version 1 file keeps its vectors and gains the uses table
+            db.execute(_USES)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

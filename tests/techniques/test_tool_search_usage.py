@@ -22,7 +22,8 @@ from tool_search_support import (
     runtime_with,
 )
 
-LEARN = ON + "usage_weight = 1.0\n"
+# no disk store: what one test learns must not reach the next (the restart test has its own file)
+LEARN = ON + 'usage_weight = 1.0\nvector_cache = ""\n'
 
 
 def _unit(*values: float) -> np.ndarray:
@@ -147,3 +148,21 @@ def test_failed_calls_unsearched_calls_and_the_default_usage_weight_teach_nothin
     create = call("create_issue", {"owner": "o", "repo": "r", "title": "t"}, "c2")
     catalog, _ = _run(tmp_path, ON, [[search], [create], [answer("ok")]], name="off")  # usage_weight = 0
     assert _remembered(catalog) == []
+
+
+@needs_minilm
+def test_learned_uses_survive_a_restart_in_the_disk_store(tmp_path):
+    stack = ON + f'usage_weight = 1.0\nvector_cache = "{tmp_path / "vectors.sqlite3"}"\n'
+    search = call(SEARCH_TOOL_NAME, {"query": "open a new issue", "limit": 2}, "c1")
+    create = call("create_issue", {"owner": "o", "repo": "r", "title": "t"}, "c2")
+    catalog, _ = _run(tmp_path, stack, [[search], [create], [answer("ok")]], name="first")
+    assert _remembered(catalog) == [("open a new issue", "create_issue")] and catalog.num_restored_uses == 0
+    # a restarted agent: a new plugin, so new catalogs with empty memories; the first search
+    # syncs the catalog, which reads back what the first one learned
+    again = call(SEARCH_TOOL_NAME, {"query": "file a bug report", "limit": 2}, "c1")
+    catalog, _ = _run(tmp_path, stack, [[again], [answer("ok")]], name="second")
+    assert catalog.num_restored_uses == 1 and _remembered(catalog) == [("open a new issue", "create_issue")]
+    # learning off: nothing is read back (nor written)
+    catalog, _ = _run(tmp_path, ON + f'vector_cache = "{tmp_path / "vectors.sqlite3"}"\n', [[again], [answer("ok")]],
+                      name="off")
+    assert catalog.num_restored_uses == 0 and _remembered(catalog) == []

@@ -309,3 +309,48 @@ def test_the_plugin_writes_to_its_file_and_not_with_an_empty_option(tmp_path, mo
 def test_the_session_never_writes_to_the_home_cache():
     assert Path(os.environ["LOOPSTACK_CACHE_DIR"]) != Path.home() / ".cache" / "loopstack"
     assert default_path() != Path.home() / ".cache" / "loopstack" / "tool_search" / "vectors.sqlite3"
+
+
+# -- learned uses (learning from use survives a restart) -----------------------------------
+
+
+def test_uses_are_kept_per_catalog_and_model_oldest_first_and_bounded(tmp_path):
+    ticks = iter(range(1000, 2000))
+    store = VectorStore(tmp_path / "v.sqlite3", clock=lambda: next(ticks))
+    vector = np.arange(4, dtype=np.float32)
+    for index in range(5):
+        store.add_use("m1", "github", f"query {index}", "create_issue", vector + index, max_per_catalog=3)
+    store.add_use("m1", "github", "query 4", "create_issue", vector, max_per_catalog=3)  # known: unchanged
+    store.add_use("m1", "slack", "post it", "send_message", vector, max_per_catalog=3)
+    store.add_use("m2", "github", "query 0", "create_issue", vector, max_per_catalog=3)
+    uses = store.uses("m1", "github", 10)
+    assert [(q, t) for q, t, _ in uses] == [("query 2", "create_issue"), ("query 3", "create_issue"),
+                                            ("query 4", "create_issue")]  # the 3 newest, oldest first
+    assert np.array_equal(uses[-1][2], vector + 4)
+    assert [q for q, _, _ in store.uses("m1", "github", 2)] == ["query 3", "query 4"]
+    assert [q for q, _, _ in store.uses("m1", "slack", 10)] == ["post it"]
+    assert [q for q, _, _ in store.uses("m2", "github", 10)] == ["query 0"] and store.uses("m3", "github", 5) == []
+    store.close()  # a closed (or failed) store reads nothing and skips writes
+    assert store.uses("m1", "github", 10) == []
+    store.add_use("m1", "github", "later", "create_issue", vector, max_per_catalog=3)
+    assert [q for q, _, _ in VectorStore(tmp_path / "v.sqlite3").uses("m1", "github", 10)][-1] == "query 4"
+
+
+def test_a_version_1_file_keeps_its_vectors_and_gains_the_uses_table(tmp_path):
+    path = tmp_path / "v.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE models (id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, dim INTEGER NOT NULL);
+        CREATE TABLE vectors (model_id INTEGER NOT NULL REFERENCES models (id), key BLOB NOT NULL,
+            vector BLOB NOT NULL, last_used INTEGER NOT NULL, PRIMARY KEY (model_id, key));
+        CREATE INDEX vectors_by_last_used ON vectors (last_used);
+        PRAGMA user_version = 1;""")
+    db.execute("INSERT INTO models (key, dim) VALUES ('m1', 2)")
+    db.execute("INSERT INTO vectors VALUES (1, ?, ?, 0)", (bytes.fromhex("ab" * 32), np.ones(2, "<f4").tobytes()))
+    db.commit()
+    db.close()
+    store = VectorStore(path)
+    assert np.array_equal(store.get_many("m1", ["ab" * 32])["ab" * 32], np.ones(2))
+    store.add_use("m1", "github", "open an issue", "create_issue", np.zeros(2), max_per_catalog=10)
+    assert [q for q, _, _ in store.uses("m1", "github", 10)] == ["open an issue"]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
