@@ -357,16 +357,16 @@ class ToolCallStreamParser:
                 return
             self._arguments_at, self._arguments_sent = head.end(), 0
             events.append(StreamEvent("call_begin", name))
-        written = self._buffer[self._arguments_at :]
         # the tail may be the block's end: "}" (the object around the arguments), spaces, "</tool_call>"
-        certain = _BLOCK_END_TAIL.sub("", written[: len(written) - _partial_close_length(written)], count=1)
-        if len(certain) > self._arguments_sent:
-            events.append(StreamEvent("call_arguments", certain[self._arguments_sent :]))
-            self._arguments_sent = len(certain)
+        end = _before_block_end(self._buffer, self._arguments_at, len(self._buffer) - _partial_close_length(self._buffer))
+        sent = self._arguments_at + self._arguments_sent
+        if end > sent:
+            events.append(StreamEvent("call_arguments", self._buffer[sent:end]))
+            self._arguments_sent = end - self._arguments_at
 
     def _finish_arguments(self, arguments_text: str, events: list[StreamEvent]) -> None:
         """The rest of a closed block's arguments (its text up to the object's closing brace)."""
-        rest = _BLOCK_END_TAIL.sub("", arguments_text, count=1)[self._arguments_sent :]
+        rest = arguments_text[self._arguments_sent : _before_block_end(arguments_text, 0, len(arguments_text))]
         if rest:
             events.append(StreamEvent("call_arguments", rest))
 
@@ -384,7 +384,19 @@ class ToolCallStreamParser:
 
 # the head of a Hermes call block, up to where its arguments start
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
-_BLOCK_END_TAIL = re.compile(r"\s*(?:\}\s*)?\Z")
+
+
+def _before_block_end(text: str, start: int, end: int) -> int:
+    """Where ``text[start:end]`` ends without its trailing spaces and one ``}`` (with the
+    spaces before it): the end of a call block's arguments, if the block ends there.
+    Walks back from ``end`` only, so a long block costs nothing per delta."""
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    if end > start and text[end - 1] == "}":
+        end -= 1
+        while end > start and text[end - 1].isspace():
+            end -= 1
+    return end
 
 
 def _partial_close_length(text: str) -> int:
