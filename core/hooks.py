@@ -57,8 +57,8 @@ class HookFacade:
     def serialize_request(self, request: dict[str, Any], ctx: RequestContext) -> bytes | None:
         return self.caller("loopstack_serialize_request")(request=request, ctx=ctx)
 
-    def tool_call_delta(self, call_id: str, name: str, arguments: str, ctx: RequestContext) -> None:
-        self.caller("loopstack_tool_call_delta")(call_id=call_id, name=name, arguments=arguments, ctx=ctx)
+    def tool_call_delta(self, call: Any, ctx: RequestContext) -> None:
+        self.caller("loopstack_tool_call_delta")(call=call, ctx=ctx)
 
     def model_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_model_middleware")(runtime=runtime) if m is not None]

@@ -26,6 +26,7 @@ from .markers import hookspec
 if TYPE_CHECKING:
     from .bench.workload import Workload
     from .context import RequestContext
+    from .harness.call_stream import StreamedCall
     from .middleware import MiddlewareFactory
     from .runtime import StackRuntime
     from .tools import ToolSet
@@ -116,9 +117,10 @@ def loopstack_tool_middleware(runtime: StackRuntime) -> MiddlewareFactory | None
 
 
 @hookspec
-def loopstack_tool_call_delta(call_id: str, name: str, arguments: str, ctx: RequestContext) -> None:
-    """The model is writing a call of tool ``name``: ``arguments`` is its text so far (the
-    model's own, usually not yet valid JSON), once per streamed piece.
+def loopstack_tool_call_delta(call: StreamedCall, ctx: RequestContext) -> None:
+    """The model is writing a tool call: ``call.name``, ``call.call_id``, the piece that
+    just arrived (``call.delta``) and the text so far (``call.arguments``, the model's own,
+    usually not yet valid JSON; joined when read), once per streamed piece.
 
     For starting work on a call before it is complete (``tool_search`` embeds the query
     while the model writes the call's last tokens). Called on the event loop by the clients

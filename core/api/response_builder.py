@@ -116,14 +116,14 @@ class ResponseBuilder:
 
     def function_call_abandon(self) -> list[dict[str, Any]]:
         """The open call did not parse after all (its text follows as message text): its
-        item ends ``incomplete`` and leaves the response's output."""
+        item ends ``incomplete``. It keeps its output index while the response streams (a
+        client's items stay where it was told they are) and leaves the output at
+        :meth:`finish`."""
         if self._call is None:
             return []
         item, self._call = self._call, None
-        index = self.output.index(item)
-        del self.output[index]
         item["status"] = "incomplete"
-        return [self._event("response.output_item.done", output_index=index, item=dict(item))]
+        return [self._event("response.output_item.done", output_index=self.output.index(item), item=dict(item))]
 
     def function_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
         """A complete call: closes the open one (its ``.done`` events), or adds it whole."""
@@ -138,7 +138,7 @@ class ResponseBuilder:
             index = len(self.output) - 1
             events += [self._event("response.function_call_arguments.delta", item_id=item["id"],
                                    output_index=index, delta=arguments)]
-        item.update(arguments=arguments, status="completed")
+        item.update(name=name, arguments=arguments, status="completed")  # the parsed call's, as the response's
         events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=name, arguments=arguments))
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
@@ -146,8 +146,10 @@ class ResponseBuilder:
 
     def finish(self, usage: dict[str, Any], *, truncated: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         events = self._close_message()
-        # a message whose text was only whitespace is dropped rather than sent empty
-        self.output = [i for i in self.output if not (i["type"] == "message" and not i["content"][0]["text"])]
+        # a message whose text was only whitespace is dropped rather than sent empty, and so is
+        # a call abandoned mid-stream
+        self.output = [i for i in self.output if not (i["type"] == "message" and not i["content"][0]["text"])
+                       and not (i["type"] == "function_call" and i["status"] == "incomplete")]
         if truncated:
             response = self.snapshot("incomplete", usage=usage, incomplete={"reason": "max_output_tokens"})
             events.append(self._event("response.incomplete", response=response))

@@ -3,9 +3,9 @@
 The server opens a ``function_call`` item as soon as the model has written the tool's name
 and streams its arguments (``response.function_call_arguments.delta``). A client that
 receives those events passes each one to :func:`observe_stream_event`, which keeps the
-arguments written so far per call and tells the stack's plugins, so one can start work
-on a call before it is complete (``tool_search`` embeds its query). The complete call
-still arrives in the final response; this is only a head start.
+arguments written so far per call (a :class:`StreamedCall`) and tells the stack's plugins,
+so one can start work on a call before it is complete (``tool_search`` embeds its query).
+The complete call still arrives in the final response; this is only a head start.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..context import RequestContext
 
-__all__ = ["CallStreams", "observe_stream_event", "wants_call_deltas"]
+__all__ = ["CallStreams", "StreamedCall", "observe_stream_event"]
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +25,34 @@ _STATE_KEY = "loopstack.call_stream"
 
 
 @dataclass
-class _Call:
+class StreamedCall:
+    """A tool call the model is still writing.
+
+    ``arguments`` is the text written so far (the model's own, usually not yet valid JSON),
+    joined on first read after each delta: a hook that looks only at ``name`` costs nothing
+    per delta, even for a call whose arguments run to megabytes.
+    """
+
     call_id: str
     name: str
-    arguments: list[str] = field(default_factory=list)
+    delta: str = ""  # the piece that arrived last
+    _pieces: list[str] = field(default_factory=list, repr=False)
+    _joined: str = field(default="", repr=False)
+    _num_joined: int = field(default=0, repr=False)
+
+    @property
+    def arguments(self) -> str:
+        if self._num_joined < len(self._pieces):
+            self._joined += "".join(self._pieces[self._num_joined :])
+            self._num_joined = len(self._pieces)
+        return self._joined
 
 
 @dataclass
 class CallStreams:
     """The calls of one request whose arguments are streaming, by item id."""
 
-    open: dict[str, _Call] = field(default_factory=dict)
+    open: dict[str, StreamedCall] = field(default_factory=dict)
     wanted: bool | None = None  # whether any plugin of this request implements the hook
     num_deltas: int = 0
     num_failures: int = 0
@@ -49,37 +66,35 @@ def _streams(ctx: RequestContext) -> CallStreams | None:
     return streams if streams.wanted else None
 
 
-def wants_call_deltas(ctx: RequestContext) -> bool:
-    """Whether a plugin of this request listens for calls as they stream (a client that
-    can choose, like the HTTP one, then asks the server for a stream)."""
-    return _streams(ctx) is not None
+def _function_call(event: dict[str, Any]) -> dict[str, Any] | None:
+    item = event.get("item")
+    return item if isinstance(item, dict) and item.get("type") == "function_call" else None
 
 
 def observe_stream_event(ctx: RequestContext, event: dict[str, Any]) -> None:
     """Follow one Responses stream event; a streamed call's argument delta calls the stack's
-    ``loopstack_tool_call_delta`` hook with the arguments written so far. Never raises: a
-    plugin's failure is logged (once per request) and the stream goes on."""
+    ``loopstack_tool_call_delta`` hook with the call so far. Never raises: a plugin's
+    failure is logged (once per request) and the stream goes on."""
     kind = event.get("type")
     if kind == "response.output_item.added":
-        item = event.get("item") or {}
-        if item.get("type") == "function_call" and isinstance(item.get("id"), str) \
-                and (streams := _streams(ctx)) is not None:
-            streams.open[item["id"]] = _Call(str(item.get("call_id", "")), str(item.get("name", "")))
+        item = _function_call(event)
+        if item is not None and isinstance(item.get("id"), str) and (streams := _streams(ctx)) is not None:
+            streams.open[item["id"]] = StreamedCall(str(item.get("call_id", "")), str(item.get("name", "")))
     elif kind == "response.function_call_arguments.delta":
         streams = _streams(ctx)
         call = streams.open.get(str(event.get("item_id"))) if streams is not None else None
         if streams is None or call is None or not event.get("delta"):
             return
-        call.arguments.append(str(event["delta"]))
+        call.delta = str(event["delta"])
+        call._pieces.append(call.delta)
         streams.num_deltas += 1
         try:
-            ctx.hooks.tool_call_delta(call_id=call.call_id, name=call.name, arguments="".join(call.arguments),
-                                      ctx=ctx)
+            ctx.hooks.tool_call_delta(call=call, ctx=ctx)
         except Exception:  # a head start must never fail the model call
             streams.num_failures += 1
             if streams.num_failures == 1:
                 log.warning("a loopstack_tool_call_delta hook failed; the call goes on", exc_info=True)
     elif kind == "response.output_item.done":
-        item = event.get("item") or {}
-        if item.get("type") == "function_call" and (streams := _streams(ctx)) is not None:
+        item = _function_call(event)
+        if item is not None and (streams := _streams(ctx)) is not None:
             streams.open.pop(str(item.get("id")), None)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_check
 
 import httpx
 
-from .call_stream import observe_stream_event, wants_call_deltas
+from .call_stream import observe_stream_event
 
 if TYPE_CHECKING:
     from ..context import RequestContext
@@ -212,7 +212,7 @@ def _error_of(response: httpx.Response) -> ModelClientError:
 
 class ResponsesHTTPClient:
     """A Responses API client over HTTP (``POST {base_url}/responses``); it streams (SSE)
-    when asked for text deltas or when a plugin listens for streamed tool calls.
+    when asked for text deltas (``on_text_delta``).
 
     Args:
         base_url: the API root as the OpenAI SDK takes it, e.g. ``http://127.0.0.1:8321/v1``.
@@ -255,8 +255,8 @@ class ResponsesHTTPClient:
         self, request: dict[str, Any], ctx: RequestContext, *, on_text_delta: TextCallback | None = None
     ) -> dict[str, Any]:
         """POST the request; with ``on_text_delta``, as SSE (``"stream": true``), calling it per
-        delta. It also streams when a plugin listens for tool calls as the model writes them
-        (``loopstack_tool_call_delta``), and passes every event to it.
+        delta and passing every event to the plugins that follow calls as the model writes
+        them (``loopstack_tool_call_delta``).
 
         Raises:
             ModelClientError: an error status, a ``response.failed`` or ``error`` event, or a
@@ -267,7 +267,7 @@ class ResponsesHTTPClient:
 
     async def _send(self, request: dict[str, Any], ctx: RequestContext,
                     on_text_delta: TextCallback | None = None) -> dict[str, Any]:
-        stream = on_text_delta is not None or wants_call_deltas(ctx)  # a plugin starts work on calls early
+        stream = on_text_delta is not None
         if stream:
             request = {**request, "stream": True}
         body = serialize_request(request, ctx)

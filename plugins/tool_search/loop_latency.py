@@ -83,6 +83,7 @@ async def measure_loop_wait(runtime: StackRuntime, plugin: ToolSearch, infos: Se
                         wait = event.seconds * 1000
                     elif isinstance(event, ModelCalled):
                         seconds = event.seconds
+                await plugin.worker.run(lambda: None)  # an early embed of a turn without a search ends first
                 embedder.forget_queries()
                 if index == 0:
                     continue

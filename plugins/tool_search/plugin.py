@@ -27,6 +27,8 @@ from .vector_store import default_path
 from .worker import SearchWorker
 
 if TYPE_CHECKING:
+    from loopstack.harness.call_stream import StreamedCall
+
     from .embedder import Embedder
 
 __all__ = ["ToolSearch", "ToolSearchConfig"]
@@ -211,18 +213,18 @@ class ToolSearch(Plugin):
     # -- a head start on the query's forward ----------------------------------------------
 
     @hookimpl
-    def loopstack_tool_call_delta(self, call_id: str, name: str, arguments: str, ctx: RequestContext) -> None:
+    def loopstack_tool_call_delta(self, call: StreamedCall, ctx: RequestContext) -> None:
         """The model is writing a ``tool_search`` call: once its query is complete, embed
         it on the search thread, so the search finds the vector cached (:mod:`.early`)."""
-        if name != SEARCH_TOOL_NAME or not self.config.embed_early:
+        if call.name != SEARCH_TOOL_NAME or not self.config.embed_early:
             return
         tools = ctx.state(STATE_KEY, RequestTools)
-        if tools.catalog is None or tools.catalog.retriever != "hybrid" or call_id in tools.embedded_early:
+        if tools.catalog is None or tools.catalog.retriever != "hybrid" or call.call_id in tools.embedded_early:
             return
-        query = streamed_query(arguments)
+        query = streamed_query(call.arguments)
         if query is None:
             return
-        tools.embedded_early.add(call_id)
+        tools.embedded_early.add(call.call_id)
         query = query.strip()[: self.config.max_query_chars]  # the text the search will embed
         if query:
             self.worker.submit(tools.catalog.embed_query, query)

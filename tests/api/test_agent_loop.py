@@ -69,12 +69,12 @@ class _CallWatcher(Plugin):
     seen: ClassVar[list[tuple[str, str]]] = []
 
     @hookimpl
-    def loopstack_tool_call_delta(self, call_id, name, arguments, ctx):
-        _CallWatcher.seen.append((name, arguments))
+    def loopstack_tool_call_delta(self, call, ctx):
+        _CallWatcher.seen.append((call.name, call.arguments))
 
 
 @pytest.mark.slow
-def test_over_http_a_listening_plugin_sees_the_call_as_the_model_writes_it(server, tmp_path):
+def test_over_streaming_http_a_listening_plugin_sees_the_call_as_the_model_writes_it(server, tmp_path):
     catalog = PluginCatalog.discover(use_entry_points=False, env={})
     catalog.add_plugin(_CallWatcher, source=__name__)
     (tmp_path / "s.toml").write_text("[plugins.call_watcher]\nenabled = true\n")
@@ -82,9 +82,10 @@ def test_over_http_a_listening_plugin_sees_the_call_as_the_model_writes_it(serve
     _CallWatcher.seen = []
 
     async def main():
-        async with ResponsesHTTPClient(f"{server.url}/v1") as client:  # no on_text_delta: it streams anyway
+        async with ResponsesHTTPClient(f"{server.url}/v1") as client:
             agent = Agent(client, [get_weather], instructions="You are a helpful assistant.", runtime=runtime,
-                          tool_choice_first="required", max_turns=1, max_output_tokens=48)
+                          tool_choice_first="required", max_turns=1, max_output_tokens=48,
+                          on_text_delta=lambda delta: None)  # the HTTP client streams when asked for text
             return await agent.run("What's the weather in Paris right now?")
 
     result = run(main, timeout_s=240)

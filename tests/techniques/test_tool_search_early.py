@@ -18,7 +18,7 @@ from loopstack.api.response_builder import ResponseBuilder
 from loopstack.api.service import ResponsesService
 from loopstack.api.tool_calls import ToolCallStreamParser
 from loopstack.harness.agent import Agent
-from loopstack.harness.call_stream import observe_stream_event
+from loopstack.harness.call_stream import StreamedCall, observe_stream_event
 from loopstack.plugins.tool_search.early import streamed_query
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
 from tool_search_support import ON, github_tools, needs_minilm, runtime_with
@@ -117,5 +117,6 @@ def test_an_incomplete_query_starts_nothing(tmp_path, arguments):
     runtime = runtime_with(tmp_path, ON + 'retriever = "bm25"\n')
     plugin = runtime.instance("tool_search")
     ctx = runtime.context()
-    plugin.loopstack_tool_call_delta(call_id="c1", name=SEARCH_TOOL_NAME, arguments=arguments, ctx=ctx)
+    call = StreamedCall("c1", SEARCH_TOOL_NAME, arguments, [arguments])
+    plugin.loopstack_tool_call_delta(call=call, ctx=ctx)
     assert plugin.worker.num_runs == 0
