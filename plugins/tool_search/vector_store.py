@@ -29,7 +29,7 @@ __all__ = ["SCHEMA_VERSION", "VectorStore", "VectorStoreStatistics", "default_pa
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 1: vectors; 2: also uses (learning from use), added in place to a version 1 file
+SCHEMA_VERSION = 1
 _REFRESH_AFTER_S = 86_400  # a hit rewrites last_used only when it is older: reads stay reads
 _SCHEMA = (
     "CREATE TABLE models (id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, dim INTEGER NOT NULL)",
@@ -42,7 +42,9 @@ _SCHEMA = (
 )""",
     "CREATE INDEX vectors_by_last_used ON vectors (last_used)",
 )
-_USES = """CREATE TABLE uses (
+# learned uses (learning from use): a table added to any file that lacks it, without a new
+# schema version, so a loopstack that predates it still reads the file's vectors
+_USES = """CREATE TABLE IF NOT EXISTS uses (
     model_id INTEGER NOT NULL REFERENCES models (id),
     catalog TEXT NOT NULL,  -- the catalog's namespaces, sorted, one per line
     query TEXT NOT NULL,
@@ -353,17 +355,17 @@ def _prepare(db: sqlite3.Connection) -> None:
     """WAL mode and the schema, created by whichever process comes first."""
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA synchronous = NORMAL")  # a cache: a power cut may lose the last writes, never the file
-    if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
-        return
-    with _transaction(db):
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version == 0 and db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            raise _Unusable("a SQLite file with other tables, not a loopstack vector cache")
-        if version not in (0, 1, SCHEMA_VERSION):
-            raise _Unusable(f"schema version {version}; this loopstack reads {SCHEMA_VERSION} (and 1)")
-        if version == 0:
-            for statement in _SCHEMA:
-                db.execute(statement)
-        if version < 2:  # a version 1 file keeps its vectors and gains the uses table
+    if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+        with _transaction(db):
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0 and db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise _Unusable("a SQLite file with other tables, not a loopstack vector cache")
+            if version not in (0, SCHEMA_VERSION):
+                raise _Unusable(f"schema version {version}; this loopstack reads {SCHEMA_VERSION}")
+            if version == 0:
+                for statement in _SCHEMA:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'uses'").fetchone() is None:
+        with _transaction(db):  # a file from before learned uses were kept gains the table
             db.execute(_USES)
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
