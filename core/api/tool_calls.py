@@ -292,6 +292,7 @@ class ToolCallStreamParser:
         self._has_text = False
         self._pending_space = ""
         self._arguments_at = -1  # where the arguments start in the open block; -1: not begun
+        self._head_refused = False  # the open block's head names no known tool: never streamed
         self._arguments_sent = 0  # characters of them released as call_arguments
         self.num_calls = 0
 
@@ -312,7 +313,7 @@ class ToolCallStreamParser:
                 self._in_block = False
                 body = block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)]
                 call = _decode_call(body, self._tool_names)
-                begun, self._arguments_at = self._arguments_at, -1
+                begun, self._arguments_at, self._head_refused = self._arguments_at, -1, False
                 if begun >= 0 and call is not None:
                     self._finish_arguments(body[begun - len(TOOL_CALL_OPEN) :], events)
                 elif begun >= 0:
@@ -338,7 +339,7 @@ class ToolCallStreamParser:
         events: list[StreamEvent] = []
         if self._arguments_at >= 0:
             events.append(StreamEvent("call_abandon", None))
-            self._arguments_at = -1
+        self._arguments_at, self._head_refused = -1, False
         self._emit_text(self._buffer, events)
         self._buffer, self._in_block, self._pending_space = "", False, ""
         return events
@@ -346,14 +347,15 @@ class ToolCallStreamParser:
     def _stream_open_block(self, events: list[StreamEvent]) -> None:
         """The open block's head as ``call_begin``, then what is certain of its arguments."""
         if self._arguments_at < 0:
-            head = _CALL_HEAD.match(self._buffer, len(TOOL_CALL_OPEN))
+            head = None if self._head_refused else _CALL_HEAD.match(self._buffer, len(TOOL_CALL_OPEN))
             if head is None:
                 return
             try:
                 name = json.loads(head.group(1))
             except ValueError:
-                return
+                name = None
             if not name or (self._tool_names is not None and name not in self._tool_names):
+                self._head_refused = True  # decided once per block
                 return
             self._arguments_at, self._arguments_sent = head.end(), 0
             events.append(StreamEvent("call_begin", name))

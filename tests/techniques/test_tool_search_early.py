@@ -11,6 +11,7 @@ query already embedded, and none of the other arm's.
 from __future__ import annotations
 
 import json
+import threading
 
 import anyio
 import pytest
@@ -21,6 +22,7 @@ from loopstack.harness.agent import Agent
 from loopstack.harness.call_stream import StreamedCall, observe_stream_event
 from loopstack.plugins.tool_search.early import streamed_query
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
+from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools
 from tool_search_support import ON, github_tools, needs_minilm, runtime_with
 
 QUERY = "open a new issue"
@@ -112,11 +114,34 @@ def test_embed_early_off_and_bm25_wait_for_the_complete_call(tmp_path):
     assert "create_issue" in result.items[2]["output"] and early == 0
 
 
+class _HybridCatalog:
+    """Stands in for a hybrid catalog: records what the hook asks it to embed."""
+
+    retriever = "hybrid"
+
+    def __init__(self) -> None:
+        self.embedded: list[str] = []
+        self.done = threading.Event()
+
+    def embed_query(self, query: str) -> bool:
+        self.embedded.append(query)
+        self.done.set()
+        return True
+
+
 @pytest.mark.parametrize("arguments", ['{"query": "', '{"query": "open', '{"limit": 2}'])
 def test_an_incomplete_query_starts_nothing(tmp_path, arguments):
     runtime = runtime_with(tmp_path, ON + 'retriever = "bm25"\n')
     plugin = runtime.instance("tool_search")
     ctx = runtime.context()
+    catalog = ctx.state(STATE_KEY, RequestTools).catalog = _HybridCatalog()  # past the hook's other checks
     call = StreamedCall("c1", SEARCH_TOOL_NAME, arguments, [arguments])
     plugin.loopstack_tool_call_delta(call=call, ctx=ctx)
     assert plugin.worker.num_runs == 0
+    assert ctx.state(STATE_KEY, RequestTools).embedded_early == set()  # nothing submitted (set before a submit)
+    # the same call once the query is complete: embedded once, as the search will cut it
+    complete = StreamedCall("c1", SEARCH_TOOL_NAME, "", ['{"query": "  open an issue ", "li'])
+    plugin.loopstack_tool_call_delta(call=complete, ctx=ctx)
+    plugin.loopstack_tool_call_delta(call=complete, ctx=ctx)  # a later delta of that call: nothing more
+    assert catalog.done.wait(10) and catalog.embedded == ["open an issue"]
+    plugin.worker.close()
