@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self, runtime_checkable
 
@@ -298,17 +299,24 @@ class ResponsesHTTPClient:
                 await response.aread()
                 self._bytes_received += len(response.content)
                 raise _error_of(response)
-            async for line in response.aiter_lines():
-                self._bytes_received += len(line) + 1
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:])
-                observe_stream_event(ctx, event)
-                if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
-                    on_text_delta(event.get("delta", ""))
-                elif (final := final_response(event, failed_status=response.status_code, error_status=500)) is not None:
-                    return final
-        raise ModelClientError(response.status_code, "the event stream ended without a final response")
+            # read to the end (the stream ends with its final event): leaving httpx's nested
+            # byte iterators suspended hands their closing to the garbage collector, which
+            # may run it when the event loop shuts down, and fail there
+            final: dict[str, Any] | None = None
+            async with aclosing(response.aiter_lines()) as lines:
+                async for line in lines:
+                    self._bytes_received += len(line) + 1
+                    if final is not None or not line.startswith("data:"):
+                        continue
+                    event = json.loads(line[5:])
+                    observe_stream_event(ctx, event)
+                    if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
+                        on_text_delta(event.get("delta", ""))
+                    else:
+                        final = final_response(event, failed_status=response.status_code, error_status=500)
+        if final is None:
+            raise ModelClientError(response.status_code, "the event stream ended without a final response")
+        return final
 
     async def aclose(self) -> None:
         """Close the connection pool and every transport that carried this client's calls."""
