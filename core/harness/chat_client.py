@@ -134,19 +134,21 @@ class ChatCompletionsClient:
                 await response.aread()
                 self._bytes_received += len(response.content)
                 raise _error_of(response)
+            done = False  # read to the end, as ResponsesHTTPClient does (no iterator left to the GC)
             async for line in response.aiter_lines():
                 self._bytes_received += len(line) + 1
-                if not line.startswith("data:"):
+                if done or not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
-                    return streamed.completion()
+                    done = True
+                    continue
                 chunk = json.loads(payload)
                 if "error" in chunk:
                     error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
                     raise ModelClientError(500, str(error.get("message")), error.get("code"))
                 streamed.feed(chunk, on_text_delta)
-        if streamed.finish_reason is None:
+        if not done and streamed.finish_reason is None:
             raise ModelClientError(response.status_code, "the chat stream ended without a finish_reason")
         return streamed.completion()
 
