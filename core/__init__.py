@@ -6,19 +6,19 @@ write a plugin.
 
 from __future__ import annotations
 
-from .context import RequestContext, Session
-from .experiments import ArmOverrideError
-from .live import LiveStack, ReloadResult
-from .markers import hookimpl, hookspec
-from .metrics import MetricsRegistry
-from .middleware import Handler, MiddlewareFactory, compose
-from .plugin import Layer, Plugin, PluginConfig
-from .plugin_manager import PluginCatalog, PluginLoadError, PluginSpec
-from .runtime import StackRuntime
-from .stack import StackLoader, find_stack, list_stacks
-from .stack_errors import StackError, StackIssue
-from .stack_schema import ResolvedStack
-from .tools import ToolInfo, ToolSet
+from loopstack.context import RequestContext, Session
+from loopstack.experiments import ArmOverrideError
+from loopstack.live import LiveStack, ReloadResult
+from loopstack.hookspecs import hookimpl, hookspec
+from loopstack.metrics import MetricsRegistry
+from loopstack.middleware import Handler, MiddlewareFactory, compose
+from loopstack.plugin import Layer, Plugin, PluginConfig
+from loopstack.catalog import PluginCatalog, PluginLoadError, PluginSpec
+from loopstack.runtime import StackRuntime
+from loopstack.stack.loader import StackLoader, find_stack, list_stacks
+from loopstack.stack.errors import StackError, StackIssue
+from loopstack.stack.schema import ResolvedStack
+from loopstack.tools import ToolInfo, ToolSet
 
 __version__ = "0.1.0"
 

@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .experiments import DEFAULT_ARM, OFF
-from .hooks import HookFacade
-from .middleware import Handler
+from loopstack.experiments import DEFAULT_ARM, OFF
+from loopstack.hooks import HookFacade
+from loopstack.middleware import Handler
 
 if TYPE_CHECKING:
-    from .runtime import StackRuntime, _Combination
+    from loopstack.runtime import StackRuntime, _Combination
 
 T = TypeVar("T")
 

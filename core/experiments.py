@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .stack_schema import ExperimentConfig
+from loopstack.stack.schema import ExperimentConfig
 
 OFF = "off"
 DEFAULT_ARM = "default"  # the label of a plugin that no experiment splits

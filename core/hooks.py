@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .context import RequestContext
-    from .middleware import MiddlewareFactory
-    from .tools import ToolSet
+    from loopstack.context import RequestContext
+    from loopstack.middleware import MiddlewareFactory
+    from loopstack.tools import ToolSet
 
 
 class HookFacade:

@@ -1,4 +1,4 @@
-"""Every loopstack hook, grouped by layer.
+"""Every loopstack hook, grouped by layer, and the pluggy markers (``hookspec``, ``hookimpl``).
 
 Two kinds of hooks exist:
 
@@ -21,15 +21,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .markers import hookspec
+import pluggy
 
 if TYPE_CHECKING:
-    from .bench.workload import Workload
-    from .context import RequestContext
-    from .harness.call_stream import StreamedCall
-    from .middleware import MiddlewareFactory
-    from .runtime import StackRuntime
-    from .tools import ToolSet
+    from loopstack.bench.workload import Workload
+    from loopstack.context import RequestContext
+    from loopstack.harness.call_stream import StreamedCall
+    from loopstack.middleware import MiddlewareFactory
+    from loopstack.runtime import StackRuntime
+    from loopstack.tools import ToolSet
+
+
+PROJECT_NAME = "loopstack"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+"""Marks a hook specification (this module's functions)."""
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marks a plugin's hook implementation: ``@hookimpl def loopstack_configure(self, runtime): ...``."""
 
 
 # --------------------------------------------------------------------------------------
@@ -138,7 +146,7 @@ def loopstack_tool_call_delta(call: StreamedCall, ctx: RequestContext) -> None:
 @hookspec(firstresult=True)
 def loopstack_client_transport(ctx: RequestContext) -> Any | None:
     """Return the transport the harness's Responses client uses for this session (for
-    example a WebSocket with deltas): a :class:`loopstack.harness.model_client.ClientTransport`
+    example a WebSocket with deltas): a :class:`loopstack.harness.clients.base.ClientTransport`
     (``create(request, ctx, *, endpoint, fallback, on_text_delta)`` and ``aclose()``).
     Stops at first non-None result; the default is the client's own way (HTTP)."""
 

@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .context import RequestContext, Session
-from .metrics import MetricsRegistry
-from .plugin_manager import PluginCatalog
-from .runtime import StackRuntime
-from .stack import StackLoader
-from .stack_errors import StackError, StackIssue
+from loopstack.context import RequestContext, Session
+from loopstack.metrics import MetricsRegistry
+from loopstack.catalog import PluginCatalog
+from loopstack.runtime import StackRuntime
+from loopstack.stack.loader import StackLoader
+from loopstack.stack.errors import StackError, StackIssue
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from .context import RequestContext, Session
-from .experiments import DEFAULT_ARM, OFF, UnitKeys, resolve_arms
-from .hooks import MIDDLEWARE_HOOKS, HookFacade
-from .metrics import MetricsRegistry
-from .middleware import Handler, compose
-from .plugin import Plugin
-from .plugin_manager import PluginCatalog, new_pluggy_manager
-from .stack_schema import ResolvedStack
+from loopstack.context import RequestContext, Session
+from loopstack.experiments import DEFAULT_ARM, OFF, UnitKeys, resolve_arms
+from loopstack.hooks import MIDDLEWARE_HOOKS, HookFacade
+from loopstack.metrics import MetricsRegistry
+from loopstack.middleware import Handler, compose
+from loopstack.plugin import Plugin
+from loopstack.catalog import PluginCatalog, new_pluggy_manager
+from loopstack.stack.schema import ResolvedStack
 
 
 @dataclass

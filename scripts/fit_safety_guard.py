@@ -3,7 +3,7 @@
     .venv/bin/python scripts/fit_safety_guard.py [--data ../shared/data] [--layers 8]
     .venv/bin/python scripts/fit_safety_guard.py --features in_context
 
-Builds the labelled set (``loopstack.plugins.parallel_safety.dataset``), extracts
+Builds the labelled set (``loopstack.plugins.parallel_safety.bench.dataset``), extracts
 mean-pooled hidden states of the embedded SmolLM2, fits one logistic-regression head per
 unsafe category (jailbreak, injection: each against benign, sources balanced) on three
 quarters of the fit split, picks the L2 strength and the threshold by F1 on the remaining
@@ -43,7 +43,7 @@ from loopstack.plugins.parallel_safety.classifier import (
     fit_logistic,
     precision_recall,
 )
-from loopstack.plugins.parallel_safety.dataset import (
+from loopstack.plugins.parallel_safety.bench.dataset import (
     BENIGN,
     INJECTION,
     JAILBREAK,

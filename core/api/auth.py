@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..stack_schema import ApiConfig
+from loopstack.stack.schema import ApiConfig
 
 __all__ = [
     "ANONYMOUS", "AuthError", "KeyRing", "KeyRingError", "KeyRingStatistics", "Principal", "UnsafeBindError",

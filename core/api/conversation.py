@@ -26,7 +26,7 @@ import jinja2
 import jinja2.meta
 
 if TYPE_CHECKING:
-    from ..engine.tokenizer import Tokenizer
+    from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = [
     "ConversationError",

@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .conversation import FunctionTool, items_to_messages, render_prompt
+from loopstack.api.conversation import FunctionTool, items_to_messages, render_prompt
 
 __all__ = ["PromptSuffix", "SuffixRenderer"]
 

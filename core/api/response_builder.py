@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .ids import new_id
+from loopstack.api.ids import new_id
 
 
 class ResponseBuilder:

@@ -16,12 +16,12 @@ from typing import Any
 
 import uvicorn
 
-from ..live import LiveStack
-from ..plugin_manager import PluginCatalog
-from .app import create_app
-from .auth import KeyRing, check_bind
-from .state import ServerState
-from .store import ResponseStore
+from loopstack.live import LiveStack
+from loopstack.catalog import PluginCatalog
+from loopstack.api.app import create_app
+from loopstack.api.auth import KeyRing, check_bind
+from loopstack.api.state import ServerState
+from loopstack.api.store import ResponseStore
 
 
 def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, engine: Any = None,
@@ -30,7 +30,7 @@ def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, 
     live = LiveStack(catalog or PluginCatalog.discover(), stack_ref)
     stack = live.current.stack
     if engine is None:
-        from ..engine import AsyncEngine, build_engine
+        from loopstack.engine import AsyncEngine, build_engine
 
         engine = AsyncEngine(build_engine(stack.engine))
     keyring = KeyRing.from_config(stack.api, environ=os.environ)

@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from ..engine import InvalidGrammarError, PromptTooLongError, SamplingParams
-from ..engine.sampling_params import HiddenCapture
-from ..engine.sequence import FinishReason
-from .auth import Principal, tenant_salt
-from .conversation import (
+from loopstack.engine import InvalidGrammarError, PromptTooLongError, SamplingParams
+from loopstack.engine.sampling_params import HiddenCapture
+from loopstack.engine.sequence import FinishReason
+from loopstack.api.auth import Principal, tenant_salt
+from loopstack.api.conversation import (
     ConversationError,
     items_to_messages,
     loaded_tools,
     normalize_tools,
     render_prompt,
 )
-from .errors import APIError
-from .ids import new_id
-from .response_builder import ResponseBuilder, usage_of
-from .schemas import ResponsesRequest
-from .store import ResponseStore, StoredResponse, StoreError
-from .tool_calls import (
+from loopstack.api.errors import APIError
+from loopstack.api.ids import new_id
+from loopstack.api.response_builder import ResponseBuilder, usage_of
+from loopstack.api.schemas import ResponsesRequest
+from loopstack.api.store import ResponseStore, StoredResponse, StoreError
+from loopstack.api.tool_calls.parser import (
     TextFormatError,
     ToolCallStreamParser,
     ToolChoiceError,
@@ -40,8 +40,8 @@ from .tool_calls import (
 )
 
 if TYPE_CHECKING:
-    from ..engine.config import ModelConfig
-    from .chain_prompt import ChainPrompts
+    from loopstack.engine.config import ModelConfig
+    from loopstack.plugins.ws_deltas.chain_prompt import ChainPrompts
 
 DEFAULT_MAX_OUTPUT_TOKENS = 1024
 

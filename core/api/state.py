@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..live import LiveStack
-from .auth import KeyRing
-from .service import EngineClient, ResponsesService
-from .store import ResponseStore
+from loopstack.live import LiveStack
+from loopstack.api.auth import KeyRing
+from loopstack.api.service import EngineClient, ResponsesService
+from loopstack.api.store import ResponseStore
 
 
 @dataclass

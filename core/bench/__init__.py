@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .runner import BenchResult, run_bench
-from .workload import BenchOptions, Workload
+from loopstack.bench.runner import BenchResult, run_bench
+from loopstack.bench.workload import BenchOptions, Workload
 
 __all__ = ["BenchOptions", "BenchResult", "Workload", "run_bench"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..plugin_manager import PluginCatalog
-from .workload import Workload
+from loopstack.catalog import PluginCatalog
+from loopstack.bench.workload import Workload
 
 
 def workloads(catalog: PluginCatalog) -> dict[str, Workload]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .runner import BenchResult
+from loopstack.bench.runner import BenchResult
 
 
 def _fmt(value: float | None) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..stack_schema import ResolvedStack
-from .workload import BenchOptions, Workload
+from loopstack.stack.schema import ResolvedStack
+from loopstack.bench.workload import BenchOptions, Workload
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..stack_schema import ResolvedStack
+from loopstack.stack.schema import ResolvedStack
 
 SHARED_DATA = Path(os.environ.get("LOOPSTACK_SHARED_DATA", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
 

@@ -17,10 +17,10 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig
-from .llm_engine import LLMEngine, RequestOutput, Usage
-from .sampling_params import HiddenCapture, SamplingParams
-from .sequence import FinishReason, Sequence
+from loopstack.engine.config import ModelConfig
+from loopstack.engine.llm_engine import LLMEngine, RequestOutput, Usage
+from loopstack.engine.sampling_params import HiddenCapture, SamplingParams
+from loopstack.engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
     import torch

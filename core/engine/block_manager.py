@@ -4,7 +4,7 @@ Pure bookkeeping over block ids; the model runner owns the KV tensors and writes
 sequence at slot ``block_table[i // block_size] * block_size + i % block_size``.
 
 Prefix caching (as in nano-vllm): when a FULL block's KV is computed it gets a hash chained over the
-blocks before it (:func:`~loopstack.engine.kv_events.hash_block_tokens`), the per-request salt (e.g.
+blocks before it (:func:`~loopstack.engine.seams.kv_events.hash_block_tokens`), the per-request salt (e.g.
 the tenant) mixed into the first block only. ``allocate`` reuses the cached blocks of the longest
 matching prefix; a hash match is confirmed by tokens, parent hash and salt, so a collision costs a
 miss, never wrong KV. A block at ref count 0 keeps its hash ("cached") until a fresh block is needed
@@ -13,7 +13,7 @@ and it is evicted, least recently released first. Blocks that will be written to
 Scheduler loop: ``can_allocate`` -> ``allocate`` (prefill from ``num_cached_tokens``) ->
 ``mark_computed`` after each forward -> ``can_append`` / ``append_slots`` per decode step ->
 ``truncate`` on speculative rollback -> ``free``. Not thread-safe: one scheduler thread owns a
-BlockManager; its events go out on a thread-safe :class:`~loopstack.engine.kv_events.KVEventBus`.
+BlockManager; its events go out on a thread-safe :class:`~loopstack.engine.seams.kv_events.KVEventBus`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from .block_types import (
+from loopstack.engine.block_types import (
     Allocation,
     BlockExport,
     BlockManagerError,
@@ -33,7 +33,7 @@ from .block_types import (
     SharedBlockError,
     UnknownSequenceError,
 )
-from .kv_events import (
+from loopstack.engine.seams.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .errors import EngineError
+from loopstack.engine.errors import EngineError
 
 __all__ = [
     "Allocation",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..stack_schema import EngineConfig
-from .kv_events import KVEventBus
-from .llm_engine import EngineOptions, LLMEngine
-from .loaders import load_model
-from .native_decode import NativeDecoder
-from .quant import CALIBRATION_TEXT, calibrate_head, quantize_model
+from loopstack.stack.schema import EngineConfig
+from loopstack.engine.seams.kv_events import KVEventBus
+from loopstack.engine.llm_engine import EngineOptions, LLMEngine
+from loopstack.engine.loaders import load_model
+from loopstack.engine.model.native_decode import NativeDecoder
+from loopstack.engine.model.quant import CALIBRATION_TEXT, calibrate_head, quantize_model
 
 __all__ = ["build_engine", "resolve_quantization"]
 

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager
-from .errors import EngineError
-from .grammar import GrammarBackend
-from .kv_events import KVEventBus
-from .model import CausalLM
-from .model_runner import ModelRunner, kv_bytes_per_token
-from .sampler import sample
-from .sampling_params import HiddenCapture, InvalidHiddenCaptureError, SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
-from .sequence import FinishReason, Sequence, StopChecker
-from .tokenizer import Tokenizer
+from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.errors import EngineError
+from loopstack.engine.text.grammar import GrammarBackend
+from loopstack.engine.seams.kv_events import KVEventBus
+from loopstack.engine.model.llama import CausalLM
+from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token
+from loopstack.engine.sampler import sample
+from loopstack.engine.sampling_params import HiddenCapture, InvalidHiddenCaptureError, SamplingParams
+from loopstack.engine.scheduler import ScheduledChunk, Scheduler
+from loopstack.engine.sequence import FinishReason, Sequence, StopChecker
+from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = ["EngineOptions", "LLMEngine", "PromptTooLongError", "RequestOutput", "Usage"]
 

@@ -6,11 +6,11 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from .attention import AttentionMetadata
-from .block_manager import BlockManager
-from .model import CausalLM, LayerCapture
-from .scheduler import ScheduledChunk
-from .sequence import Sequence
+from loopstack.engine.model.attention import AttentionMetadata
+from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.model.llama import CausalLM, LayerCapture
+from loopstack.engine.scheduler import ScheduledChunk
+from loopstack.engine.sequence import Sequence
 
 __all__ = ["ModelRunner", "kv_bytes_per_token"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling_params import SamplingParams
+from loopstack.engine.sampling_params import SamplingParams
 
 __all__ = ["SampleOutput", "sample"]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import EngineError
+from loopstack.engine.errors import EngineError
 
 __all__ = ["HiddenCapture", "InvalidHiddenCaptureError", "InvalidSamplingParamsError", "SamplingParams"]
 
@@ -31,7 +31,7 @@ class SamplingParams(BaseModel):
     """How to pick tokens for one request.
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` switch those
-    filters off. ``grammar`` constrains output (see :mod:`loopstack.engine.grammar`):
+    filters off. ``grammar`` constrains output (see :mod:`loopstack.engine.text.grammar`):
     ``{"type": "json_schema", "schema": {...}}``, ``{"type": "structural_tag", "format":
     {...}}``, ``{"type": "regex", "pattern": "..."}`` or ``{"type": "ebnf", "grammar": "..."}``.
     """

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .block_manager import BlockManager
-from .sequence import FinishReason, Sequence, SequenceStatus
+from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerStatistics"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import GrammarState
-from .sampling_params import HiddenCapture, SamplingParams
-from .tokenizer import IncrementalDecoder
+from loopstack.engine.text.grammar import GrammarState
+from loopstack.engine.sampling_params import HiddenCapture, SamplingParams
+from loopstack.engine.text.tokenizer import IncrementalDecoder
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus", "StopChecker"]
 

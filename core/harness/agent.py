@@ -31,13 +31,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from ..context import RequestContext, Session
-from ..plugin_manager import PluginCatalog
-from ..runtime import StackRuntime
-from ..stack import StackLoader
-from ..tools import ToolSet
-from .compaction import TokenCounter, compact, estimate_tokens
-from .events import (
+from loopstack.context import RequestContext, Session
+from loopstack.catalog import PluginCatalog
+from loopstack.runtime import StackRuntime
+from loopstack.stack.loader import StackLoader
+from loopstack.tools import ToolSet
+from loopstack.harness.compaction import TokenCounter, compact, estimate_tokens
+from loopstack.harness.events import (
     AgentEvent,
     Compacted,
     FinalAnswer,
@@ -47,15 +47,15 @@ from .events import (
     TurnStarted,
     Usage,
 )
-from .model_client import (
+from loopstack.harness.clients.base import (
     FINAL_EVENT_TYPES,
     ModelClient,
     TextCallback,
     last_request_bytes,
     serialize_request,
 )
-from .prefix_detector import check_request as check_prefix
-from .tool import Tool, ToolResult
+from loopstack.harness.prefix_detector import check_request as check_prefix
+from loopstack.harness.tools.tool import Tool, ToolResult
 
 __all__ = ["Agent", "AgentResult", "ToolCall", "ToolProvider", "dispatch_tool_call", "turn_tools"]
 
@@ -64,7 +64,7 @@ _HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
 
 @runtime_checkable
 class ToolProvider(Protocol):
-    """A source of tools listed again each turn (an :class:`~loopstack.harness.mcp_tools.MCPServer`)."""
+    """A source of tools listed again each turn (an :class:`~loopstack.harness.tools.mcp.MCPServer`)."""
 
     async def list_tools(self) -> Sequence[Tool]: ...
 

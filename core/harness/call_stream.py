@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..context import RequestContext
+    from loopstack.context import RequestContext
 
 __all__ = ["CallStreams", "StreamedCall", "observe_stream_event"]
 

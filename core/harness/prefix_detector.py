@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .prefix_causes import (
+from loopstack.harness.prefix_causes import (
     CAUSES,
     VOLATILE_PATTERNS,
     Segment,
@@ -58,7 +58,7 @@ from .prefix_causes import (
 )
 
 if TYPE_CHECKING:
-    from ..context import RequestContext, Session
+    from loopstack.context import RequestContext, Session
 
 __all__ = [
     "CAUSES",

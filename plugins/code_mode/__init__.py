@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 
-from .config import CodeModeConfig
-from .plugin import CodeMode
+from loopstack.plugins.code_mode.config import CodeModeConfig
+from loopstack.plugins.code_mode.plugin import CodeMode
 
 __all__ = ["PLUGIN", "CodeMode", "CodeModeConfig"]
 
@@ -26,6 +26,6 @@ PLUGIN = CodeMode
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Any]:
-    from .bench import CodeModeWorkload
+    from loopstack.plugins.code_mode.bench.workload import CodeModeWorkload
 
     return [CodeModeWorkload()]

@@ -10,14 +10,14 @@ from typing import Any
 import anyio
 from loopstack.context import RequestContext
 from loopstack.harness.agent import dispatch_tool_call, turn_tools
-from loopstack.harness.tool import ToolResult
+from loopstack.harness.tools.tool import ToolResult
 from loopstack.tools import ToolInfo
 
-from .config import CodeModeConfig
-from .declarations import declare_tools
-from .result import outcome_to_result
-from .sandbox import ProgramOutcome, V8Sandbox
-from .spare import SpareContexts
+from loopstack.plugins.code_mode.config import CodeModeConfig
+from loopstack.plugins.code_mode.declarations import declare_tools
+from loopstack.plugins.code_mode.result import outcome_to_result
+from loopstack.plugins.code_mode.sandbox import ProgramOutcome, V8Sandbox
+from loopstack.plugins.code_mode.spare import SpareContexts
 
 __all__ = ["EXEC_TOOL_NAME", "ExecTool", "exec_description"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin
 
-from .config import CodeModeConfig
-from .exec_tool import EXEC_TOOL_NAME, TOOL_SEARCH_NAME, ExecTool, exec_description
-from .spare import SpareContexts
+from loopstack.plugins.code_mode.config import CodeModeConfig
+from loopstack.plugins.code_mode.exec_tool import EXEC_TOOL_NAME, TOOL_SEARCH_NAME, ExecTool, exec_description
+from loopstack.plugins.code_mode.spare import SpareContexts
 
 __all__ = ["CodeMode"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from loopstack.harness.tool import ToolResult
+from loopstack.harness.tools.tool import ToolResult
 
-from .sandbox import ProgramOutcome
+from loopstack.plugins.code_mode.sandbox import ProgramOutcome
 
 __all__ = ["cap_text", "outcome_to_result"]
 

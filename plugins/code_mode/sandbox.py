@@ -31,11 +31,11 @@ from typing import Any, Literal, NamedTuple, cast
 import anyio
 import anyio.abc
 import sniffio
-from loopstack.harness.tool import ToolResult
+from loopstack.harness.tools.tool import ToolResult
 from py_mini_racer import JSEvalException, JSFunction, JSOOMException, MiniRacer
 
-from .gate import ConcurrencyGate
-from .prelude import PRELUDE
+from loopstack.plugins.code_mode.gate import ConcurrencyGate
+from loopstack.plugins.code_mode.prelude import PRELUDE
 
 __all__ = ["CallTool", "ProgramOutcome", "SandboxStatistics", "V8Sandbox"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
-from .sandbox import V8Sandbox
+from loopstack.plugins.code_mode.sandbox import V8Sandbox
 
 
 class SpareStatistics(NamedTuple):

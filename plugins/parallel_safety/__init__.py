@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 from pydantic import Field, model_validator
 
@@ -81,7 +81,7 @@ class ParallelSafety(Plugin):
 
     @hookimpl
     def loopstack_configure(self, runtime: Any) -> None:
-        from .plugin import BuiltinGuards
+        from loopstack.plugins.parallel_safety.plugin import BuiltinGuards
 
         self._builtins = BuiltinGuards(self.config)
 
@@ -91,13 +91,13 @@ class ParallelSafety(Plugin):
 
     @hookimpl
     def loopstack_response_middleware(self, runtime: Any) -> Any:
-        from .plugin import response_middleware
+        from loopstack.plugins.parallel_safety.plugin import response_middleware
 
         return response_middleware(self.config)
 
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Any]:
-    from .bench import SafetyWorkload
+    from loopstack.plugins.parallel_safety.bench.workload import SafetyWorkload
 
     return [SafetyWorkload()]

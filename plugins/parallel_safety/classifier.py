@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .guard import Stage, Verdict
+from loopstack.plugins.parallel_safety.guard import Stage, Verdict
 
 WEIGHTS_PATH = Path(__file__).resolve().parent / "data" / "safety_guard.npz"
 IN_CONTEXT_WEIGHTS_PATH = WEIGHTS_PATH.with_name("safety_guard_in_context.npz")

@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 from loopstack.api.response_builder import ResponseBuilder
 
-from .fused import text_capture
-from .guard import Guard, Stage, Verdict, guard_stages, is_hidden_state_guard, run_check
+from loopstack.plugins.parallel_safety.fused import text_capture
+from loopstack.plugins.parallel_safety.guard import Guard, Stage, Verdict, guard_stages, is_hidden_state_guard, run_check
 
 Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
 MODES: tuple[Mode, ...] = ("sequential", "stream_then_cut", "hold_until_pass")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .guard import Stage, Verdict
+from loopstack.plugins.parallel_safety.guard import Stage, Verdict
 
 INJECTION_MARKERS: dict[str, str] = {
     "role_token": r"<\|im_start\|>\s*(system|assistant)|<\|(system|start_header_id)\|>|\[/?INST\]|<<SYS>>",

@@ -7,12 +7,12 @@ import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from .guard import Guard
-from .modes import Chunking, GuardedResponse, GuardPlan, Mode
-from .patterns import PatternGuard
+from loopstack.plugins.parallel_safety.guard import Guard
+from loopstack.plugins.parallel_safety.modes import Chunking, GuardedResponse, GuardPlan, Mode
+from loopstack.plugins.parallel_safety.patterns import PatternGuard
 
 if TYPE_CHECKING:
-    from . import ParallelSafetyConfig
+    from loopstack.plugins.parallel_safety import ParallelSafetyConfig
 
 
 class BuiltinGuards:
@@ -43,7 +43,7 @@ class BuiltinGuards:
     def _load(self) -> None:
         try:
             if self._classifier is None:
-                from .classifier import ClassifierGuard
+                from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
 
                 self._classifier = ClassifierGuard(threshold=self.config.classifier_threshold,
                                                    threads=self.config.classifier_threads,

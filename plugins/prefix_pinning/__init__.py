@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 
-from .config import PrefixPinningConfig
-from .plugin import PrefixPinning
+from loopstack.plugins.prefix_pinning.config import PrefixPinningConfig
+from loopstack.plugins.prefix_pinning.plugin import PrefixPinning
 
 if TYPE_CHECKING:
     from loopstack.bench.workload import Workload
@@ -25,6 +25,6 @@ PLUGIN = PrefixPinning
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Workload]:
-    from .bench import PrefixWorkload
+    from loopstack.plugins.prefix_pinning.bench.workload import PrefixWorkload
 
     return [PrefixWorkload()]

@@ -7,13 +7,13 @@ from typing import Any
 
 from loopstack.context import RequestContext
 from loopstack.harness.prefix_detector import prefix_policy
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin
 from loopstack.tools import ToolSet
 
-from .canonical import canonical_json, first_seen_key, sort_keys_deep, sorted_key
-from .config import PrefixPinningConfig
-from .volatile import context_item, round_times, split_volatile_lines
+from loopstack.plugins.prefix_pinning.canonical import canonical_json, first_seen_key, sort_keys_deep, sorted_key
+from loopstack.plugins.prefix_pinning.config import PrefixPinningConfig
+from loopstack.plugins.prefix_pinning.volatile import context_item, round_times, split_volatile_lines
 
 __all__ = ["PrefixPinning"]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 
-from .plugin import ToolSearch, ToolSearchConfig
-from .search import search_tools
+from loopstack.plugins.tool_search.plugin import ToolSearch, ToolSearchConfig
+from loopstack.plugins.tool_search.search import search_tools
 
 if TYPE_CHECKING:
     from loopstack.bench.workload import Workload
@@ -24,6 +24,6 @@ PLUGIN = ToolSearch
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Workload]:
-    from .bench import ToolSearchWorkload
+    from loopstack.plugins.tool_search.bench.workload import ToolSearchWorkload
 
     return [ToolSearchWorkload()]

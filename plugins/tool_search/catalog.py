@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from loopstack.tools import ToolInfo
 
-from .docs import doc_from_info
-from .hybrid import HybridIndex
-from .index import FieldWeights, Hit, ToolIndex
-from .namespaces import search_tool_description
+from loopstack.plugins.tool_search.docs import doc_from_info
+from loopstack.plugins.tool_search.hybrid import HybridIndex
+from loopstack.plugins.tool_search.index import FieldWeights, Hit, ToolIndex
+from loopstack.plugins.tool_search.namespaces import search_tool_description
 
 if TYPE_CHECKING:
-    from .embedder import Embedder
-    from .vector_store import VectorStore
+    from loopstack.plugins.tool_search.embedder import Embedder
+    from loopstack.plugins.tool_search.vector_store import VectorStore
 
 __all__ = ["CatalogCache", "CatalogIndex", "SyncResult"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from loopstack.tools import ToolInfo
 
-from .index import ToolDoc
+from loopstack.plugins.tool_search.index import ToolDoc
 
 __all__ = ["doc_from_info", "function_tool", "parameter_text", "schema_line"]
 

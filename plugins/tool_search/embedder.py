@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from loopstack.engine.device import resolve_device, resolve_dtype
 
-from .bert import BertConfig, BertEncoder, mean_pool
-from .minilm import (
+from loopstack.plugins.tool_search.bert import BertConfig, BertEncoder, mean_pool
+from loopstack.plugins.tool_search.minilm import (
     INSTALL_COMMAND,
     WEIGHTS_SHA256,
     EmbeddingModelUnavailable,
     model_zip_path,
 )
-from .vector_store import VectorStore
+from loopstack.plugins.tool_search.vector_store import VectorStore
 
 __all__ = ["Embedder", "EmbedderStatistics", "default_dtype", "load_embedder", "text_key"]
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from .dense import DenseVectors
-from .index import FieldWeights, Hit, ToolDoc, ToolIndex
-from .usage import UsageMemory
+from loopstack.plugins.tool_search.dense import DenseVectors
+from loopstack.plugins.tool_search.index import FieldWeights, Hit, ToolDoc, ToolIndex
+from loopstack.plugins.tool_search.usage import UsageMemory
 
 if TYPE_CHECKING:
-    from .embedder import Embedder
+    from loopstack.plugins.tool_search.embedder import Embedder
 
 __all__ = ["HybridIndex", "HybridStatistics", "fuse"]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from loopstack.tools import ToolInfo
 
-from .terms import STOP_WORDS, identifier_words
+from loopstack.plugins.tool_search.terms import STOP_WORDS, identifier_words
 
 __all__ = ["LOCAL_NAMESPACE", "namespace_counts", "namespace_lines", "search_tool_description"]
 

@@ -9,27 +9,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopstack.context import RequestContext
-from loopstack.harness.tool import ToolResult
-from loopstack.markers import hookimpl
+from loopstack.harness.tools.tool import ToolResult
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 from loopstack.tools import ToolInfo, ToolSet
 from pydantic import Field, field_validator
 
-from .catalog import CatalogCache
-from .docs import function_tool
-from .early import streamed_query
-from .index import FieldWeights
-from .minilm import EmbeddingModelUnavailable, model_zip_path
-from .schema_tokens import TokenizerUnavailable, schema_tokens
-from .search import SEARCH_TOOL_NAME, ToolSearchTool, search_text
-from .state import STATE_KEY, RequestTools, SessionTools
-from .vector_store import default_path
-from .worker import SearchWorker
+from loopstack.plugins.tool_search.catalog import CatalogCache
+from loopstack.plugins.tool_search.docs import function_tool
+from loopstack.plugins.tool_search.early import streamed_query
+from loopstack.plugins.tool_search.index import FieldWeights
+from loopstack.plugins.tool_search.minilm import EmbeddingModelUnavailable, model_zip_path
+from loopstack.plugins.tool_search.schema_tokens import TokenizerUnavailable, schema_tokens
+from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME, ToolSearchTool, search_text
+from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools, SessionTools
+from loopstack.plugins.tool_search.vector_store import default_path
+from loopstack.plugins.tool_search.worker import SearchWorker
 
 if TYPE_CHECKING:
     from loopstack.harness.call_stream import StreamedCall
 
-    from .embedder import Embedder
+    from loopstack.plugins.tool_search.embedder import Embedder
 
 __all__ = ["ToolSearch", "ToolSearchConfig"]
 
@@ -168,7 +168,7 @@ class ToolSearch(Plugin):
         if self.retriever != "hybrid":
             return None
         try:
-            from .embedder import load_embedder  # imports torch
+            from loopstack.plugins.tool_search.embedder import load_embedder  # imports torch
 
             vector_cache = str(self.vector_cache) if self.vector_cache is not None else None
             return load_embedder(max_query_tokens=self.config.max_query_tokens, vector_cache=vector_cache,

@@ -7,13 +7,13 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from .datasets import Query, RetrievalSet
-from .hybrid import HybridIndex
-from .index import FIELDS, FieldWeights, ToolIndex
-from .terms import terms
+from loopstack.plugins.tool_search.bench.datasets import Query, RetrievalSet
+from loopstack.plugins.tool_search.hybrid import HybridIndex
+from loopstack.plugins.tool_search.index import FIELDS, FieldWeights, ToolIndex
+from loopstack.plugins.tool_search.terms import terms
 
 if TYPE_CHECKING:
-    from .embedder import Embedder
+    from loopstack.plugins.tool_search.embedder import Embedder
 
 __all__ = ["RetrievalScores", "build_index", "evaluate", "evaluate_learned", "lexical_overlap", "ndcg_at",
            "recall_at"]

@@ -10,7 +10,7 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from .docs import schema_line
+from loopstack.plugins.tool_search.docs import schema_line
 
 __all__ = ["TokenizerUnavailable", "count_tokens", "schema_tokens", "tokenizer"]
 
@@ -27,7 +27,7 @@ def tokenizer() -> Any:
     from loopstack.engine.errors import ModelNotFoundError
     from loopstack.engine.loaders import resolve_model_path
     from loopstack.engine.loaders.gguf_loader import read_gguf
-    from loopstack.engine.tokenizer import Tokenizer
+    from loopstack.engine.text.tokenizer import Tokenizer
 
     try:
         metadata, _ = read_gguf(resolve_model_path(DEFAULT_MODEL))

@@ -12,14 +12,14 @@ from typing import Any
 
 import pydantic
 from loopstack.context import RequestContext
-from loopstack.harness.tool import ToolResult
+from loopstack.harness.tools.tool import ToolResult
 from loopstack.tools import ToolInfo
 
-from .docs import function_tool
-from .index import Hit
-from .namespaces import namespace_lines
-from .state import STATE_KEY, RequestTools, SessionTools
-from .worker import SearchWorker
+from loopstack.plugins.tool_search.docs import function_tool
+from loopstack.plugins.tool_search.index import Hit
+from loopstack.plugins.tool_search.namespaces import namespace_lines
+from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools, SessionTools
+from loopstack.plugins.tool_search.worker import SearchWorker
 
 __all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_text", "search_tools", "search_tools_async"]
 

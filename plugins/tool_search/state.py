@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from loopstack.tools import ToolInfo
 
 if TYPE_CHECKING:
-    from .catalog import CatalogIndex
+    from loopstack.plugins.tool_search.catalog import CatalogIndex
 
 __all__ = ["STATE_KEY", "RequestTools", "SessionTools"]
 

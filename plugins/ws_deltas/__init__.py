@@ -3,7 +3,7 @@
 DESIGN.md technique 4; docs/techniques/ws-deltas.md. Modules: ``config`` (the TOML table),
 ``delta`` (delta or full: the sans-I/O decision), ``transport`` (the per-session WebSocket
 and its fallbacks, the client half), ``server`` (commits completed outputs to the chain
-token state, the server half; the state itself is :mod:`loopstack.api.chain_prompt`),
+token state, the server half; the state itself is :mod:`loopstack.plugins.ws_deltas.chain_prompt`),
 ``plugin``, and the ``transport`` bench workload (``bench``, ``scripted_engine``,
 ``loopback_tls``).
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 
-from .config import WsDeltasConfig
-from .plugin import WsDeltas
+from loopstack.plugins.ws_deltas.config import WsDeltasConfig
+from loopstack.plugins.ws_deltas.plugin import WsDeltas
 
 __all__ = ["PLUGIN", "WsDeltas", "WsDeltasConfig"]
 
@@ -31,6 +31,6 @@ PLUGIN = WsDeltas
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Any]:
-    from .bench import TransportWorkload
+    from loopstack.plugins.ws_deltas.bench.workload import TransportWorkload
 
     return [TransportWorkload()]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopstack.api.chain_prompt import TokenState
-from loopstack.markers import hookimpl
+from loopstack.plugins.ws_deltas.chain_prompt import TokenState
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 
-from .config import WsDeltasConfig
-from .server import commit_middleware
-from .transport import DeltaTransport
+from loopstack.plugins.ws_deltas.config import WsDeltasConfig
+from loopstack.plugins.ws_deltas.server import commit_middleware
+from loopstack.plugins.ws_deltas.transport import DeltaTransport
 
 
 class WsDeltas(Plugin):
@@ -26,7 +26,7 @@ class WsDeltas(Plugin):
 
     def __init__(self, config: PluginConfig, *, arm: str = "default") -> None:
         super().__init__(config, arm=arm)
-        # read by loopstack.api.chain_prompt for requests this instance serves
+        # read by loopstack.plugins.ws_deltas.chain_prompt for requests this instance serves
         self.token_state = TokenState(self.config.max_chains)
 
     @hookimpl

@@ -1,6 +1,6 @@
 """The server half: commit each completed response's output to the chain token state.
 
-``prepare`` took the prompt ids from the chain (see :mod:`loopstack.api.chain_prompt`);
+``prepare`` took the prompt ids from the chain (see :mod:`loopstack.plugins.ws_deltas.chain_prompt`);
 this ``response`` middleware watches the events and, when the response completes (or
 stops at ``max_output_tokens``: it is stored and can be chained from), tokenizes its
 output and caches the new chain under the response's id. It passes every event on at
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from loopstack.api.chain_prompt import chain_prompts
+from loopstack.plugins.ws_deltas.chain_prompt import chain_prompts
 
 if TYPE_CHECKING:
-    from loopstack.api.response_chain import ResponseJob
+    from loopstack.api.pipeline import ResponseJob
     from loopstack.context import RequestContext
     from loopstack.middleware import Handler
 

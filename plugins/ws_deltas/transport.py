@@ -4,7 +4,7 @@
 for a session (``ctx.session.state``), so the harness's Responses client sends through it.
 The connection opens on the first call and is reused; each call is planned by
 :func:`~.delta.plan_request` and sent with
-:meth:`~loopstack.harness.ws_client.ResponsesWebSocketClient.exchange`. Fallbacks:
+:meth:`~loopstack.harness.clients.websocket.ResponsesWebSocketClient.exchange`. Fallbacks:
 
 * ``previous_response_not_found`` (evicted, expired, restarted without the response,
   another tenant's): the same request again, in full, on the same connection;
@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from loopstack.harness.model_client import ModelClientError, SendFull, ServerEndpoint, TextCallback, serialize_request
-from loopstack.harness.ws_client import (
+from loopstack.harness.clients.base import ModelClientError, SendFull, ServerEndpoint, TextCallback, serialize_request
+from loopstack.harness.clients.websocket import (
     ConnectionLostError,
     FirstEventTimeoutError,
     ResponsesWebSocketClient,
@@ -30,12 +30,12 @@ from loopstack.harness.ws_client import (
     create_message,
 )
 
-from .delta import ChainCursor, Plan, cursor_after, plan_request
+from loopstack.plugins.ws_deltas.delta import ChainCursor, Plan, cursor_after, plan_request
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
 
-    from .config import WsDeltasConfig
+    from loopstack.plugins.ws_deltas.config import WsDeltasConfig
 
 __all__ = ["DeltaTransport", "DeltaTransportStatistics"]
 

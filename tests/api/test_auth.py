@@ -15,7 +15,7 @@ from loopstack.api.auth import (
     key_fingerprint,
     tenant_salt,
 )
-from loopstack.stack_schema import ApiConfig
+from loopstack.stack.schema import ApiConfig
 
 KEY_A = "sk-alpha-0123456789"
 KEY_B = "sk-bravo-9876543210"

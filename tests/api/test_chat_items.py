@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loopstack.api.chat_completions import _failure, _items
+from loopstack.api.routes.chat_completions import _failure, _items
 from loopstack.api.conversation import chat_messages
 
 

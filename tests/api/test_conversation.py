@@ -20,7 +20,7 @@ from loopstack.api.conversation import (
     render_prompt,
     template_supports_tools,
 )
-from loopstack.engine.tokenizer import Tokenizer
+from loopstack.engine.text.tokenizer import Tokenizer
 
 # SmolLM2-135M-Instruct's template, as its GGUF carries it: ChatML, no tools.
 SMOLLM2_TEMPLATE = (

@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def start_server(cwd, port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "loopstack.cli", "serve", "--stack", "baseline", "--port",
+    process = subprocess.Popen([sys.executable, "-m", "loopstack.cli.main", "serve", "--stack", "baseline", "--port",
                                 str(port)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

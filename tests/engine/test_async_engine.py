@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_engine import GREEDY, PROMPTS, make_engine
+from tests.engine.support import GREEDY, PROMPTS, make_engine
 
 from loopstack.engine.async_engine import AsyncEngine
 from loopstack.engine.llm_engine import PromptTooLongError

@@ -15,7 +15,7 @@ from loopstack.engine.block_manager import (
     SharedBlockError,
     UnknownSequenceError,
 )
-from loopstack.engine.kv_events import (
+from loopstack.engine.seams.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -4,31 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_support import build_tiny_model, dense_reference
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tests.engine.support import GREEDY, PROMPTS, build_tiny_model, dense_reference, make_engine
 
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError
 from loopstack.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from loopstack.engine.sequence import FinishReason
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def byte_tokenizer():
-    from loopstack.engine.tokenizer import Tokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = BackendTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[255])
-
-
-def make_engine(**options) -> LLMEngine:
-    defaults = {"num_kv_blocks": 128, "block_size": 4, "max_num_batched_tokens": 64}
-    return LLMEngine(build_tiny_model(tie_word_embeddings=False), byte_tokenizer(), EngineOptions(**{**defaults, **options}))
-
 
 def reference_greedy(prompt: list[int], num_tokens: int) -> list[int]:
     model, tokens = build_tiny_model(tie_word_embeddings=False), list(prompt)
@@ -37,7 +17,6 @@ def reference_greedy(prompt: list[int], num_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-PROMPTS = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], list(range(30, 70))]
 
 
 def test_greedy_matches_a_dense_reference():

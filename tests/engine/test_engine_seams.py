@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from test_engine import PROMPTS, make_engine
+from tests.engine.support import PROMPTS, make_engine
 
 from loopstack.engine.sampling_params import SamplingParams
-from loopstack.engine.kv_transfer import export_request, import_request
-from loopstack.engine.speculation import verify_greedy
+from loopstack.engine.seams.kv_transfer import export_request, import_request
+from loopstack.engine.seams.speculation import verify_greedy
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -6,15 +6,15 @@ import asyncio
 
 import pytest
 import torch
-from engine_support import dense_residual
+from tests.engine.support import dense_residual
 from loopstack.engine import AsyncEngine
-from loopstack.engine.model import CausalLM
+from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.sampling_params import (
     HiddenCapture,
     InvalidHiddenCaptureError,
     SamplingParams,
 )
-from test_engine import make_engine
+from tests.engine.support import make_engine
 
 PROMPT = list(range(30, 90))  # 60 tokens: 15 blocks of 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

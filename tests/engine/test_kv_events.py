@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from loopstack.engine.kv_events import (
+from loopstack.engine.seams.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -91,7 +91,7 @@ def test_failing_callback_is_logged_and_counted_and_others_still_run(
 
     bus.subscribe(broken)
     bus.subscribe(received.append)
-    with caplog.at_level(logging.ERROR, logger="loopstack.engine.kv_events"):
+    with caplog.at_level(logging.ERROR, logger="loopstack.engine.seams.kv_events"):
         bus.publish(AllBlocksCleared())
     assert len(received) == 1
     assert bus.statistics().num_callback_errors == 1

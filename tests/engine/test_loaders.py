@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 from loopstack.engine import loaders
-from loopstack.engine.attention import AttentionMetadata
+from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.device import resolve_device, resolve_dtype
 from loopstack.engine.errors import ModelNotFoundError, UnsupportedArchitectureError
@@ -24,8 +24,8 @@ from loopstack.engine.loaders.gguf_loader import (
     unpermute_rotary,
 )
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
-from loopstack.engine.model import CausalLM
-from loopstack.engine.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
+from loopstack.engine.model.llama import CausalLM
+from loopstack.engine.model.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
 from safetensors.torch import save_file
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200]

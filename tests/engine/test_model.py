@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loopstack.engine.attention import AttentionMetadata, build_attention_mask
+from loopstack.engine.model.attention import AttentionMetadata, build_attention_mask
 from loopstack.engine.config import ModelConfig
-from loopstack.engine import int8_dynamic
-from loopstack.engine.model import RMSNorm, rope_inv_freq
-from loopstack.engine.quant import DynamicInt8Linear, Int4Linear, Int8RescoredHead, quantize_model
+from loopstack.engine.model import int8_dynamic
+from loopstack.engine.model.llama import RMSNorm, rope_inv_freq
+from loopstack.engine.model.quant import DynamicInt8Linear, Int4Linear, Int8RescoredHead, quantize_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200, 11, 0, 255, 90, 45]
 ATOL = 1e-4

@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import pytest
-from engine_support import build_tiny_model, tiny_tokenizer_parts
+from tests.engine.support import build_tiny_model, tiny_tokenizer_parts
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from loopstack.engine.errors import ModelNotFoundError
-from loopstack.engine.grammar import InvalidGrammarError
-from loopstack.engine.kv_events import BlockStored, KVCacheEvent, hash_token_blocks
+from loopstack.engine.text.grammar import InvalidGrammarError
+from loopstack.engine.seams.kv_events import BlockStored, KVCacheEvent, hash_token_blocks
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError
 from loopstack.engine.loaders import load_model
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
-from loopstack.engine.replica_pool import ReplicaDiedError, ReplicaPool, ReplicaStartError
-from loopstack.engine.replica_worker import error_type_paths, rebuild_request_error
+from loopstack.engine.seams.replica_pool import ReplicaDiedError, ReplicaPool, ReplicaStartError
+from loopstack.engine.seams.replica_worker import error_type_paths, rebuild_request_error
 from loopstack.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from loopstack.engine.sequence import FinishReason
 

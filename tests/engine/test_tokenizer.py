@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 
 from loopstack.engine.errors import ChatTemplateError, UnsupportedTokenizerError
-from loopstack.engine.tokenizer import Tokenizer
+from loopstack.engine.text.tokenizer import Tokenizer
 
 # SmolLM2's byte-level vocabulary lacks a few bytes (0x04, 0x06, 0x13, 0x14, 0x16, 0x1d and the
 # UTF-8 lead bytes 0xf1/0xf2 of U+40000..U+BFFFF); text using them cannot round trip, in HF too.

@@ -14,7 +14,7 @@ pytest.importorskip("mcp")
 
 from loopstack.harness.agent import Agent  # noqa: E402
 from loopstack.harness.events import ToolCalled  # noqa: E402
-from loopstack.harness.mcp_tools import MCPServer  # noqa: E402
+from loopstack.harness.tools.mcp import MCPServer  # noqa: E402
 
 NOTES_SERVER = Path(__file__).parents[2] / "examples" / "mcp_notes_server.py"
 

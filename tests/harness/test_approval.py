@@ -6,15 +6,15 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from loopstack.harness.approval import (
+from loopstack.harness.tools.approval import (
     ApprovalPolicy,
     ToolCallRequest,
     is_safe_command,
     needs_approval,
 )
-from loopstack.harness.sandbox import ShellSandbox, _unshare_works
-from loopstack.harness.shell_tool import ShellTool
-from loopstack.stack_schema import HarnessConfig
+from loopstack.harness.tools.sandbox import ShellSandbox, _unshare_works
+from loopstack.harness.tools.shell import ShellTool
+from loopstack.stack.schema import HarnessConfig
 
 SAFE = ["ls -la", "cat README.md", "head -n 5 a.txt", "tail b.txt", "wc -l a.txt", "grep -rn foo .",
         "rg TODO", "find . -name x.py", "pwd", "echo hello", ["grep", "a b", "file.txt"]]

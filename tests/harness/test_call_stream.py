@@ -8,11 +8,11 @@ from typing import ClassVar
 
 from loopstack.api.response_builder import ResponseBuilder
 from loopstack.harness.call_stream import CallStreams, observe_stream_event
-from loopstack.markers import hookimpl
+from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
-from loopstack.plugin_manager import PluginCatalog
+from loopstack.catalog import PluginCatalog
 from loopstack.runtime import StackRuntime
-from loopstack.stack import StackLoader
+from loopstack.stack.loader import StackLoader
 
 
 def test_a_streamed_call_opens_at_once_and_closes_with_normalized_arguments():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from loopstack.harness.chat_convert import chat_body, response_of_chat
+from loopstack.harness.clients.chat_convert import chat_body, response_of_chat
 
 
 def test_request_maps_roles_calls_outputs_tools_and_settings():

@@ -7,10 +7,10 @@ import json
 
 import anyio
 import pytest
-from kernel_support import SHARED_DATA
-from loopstack.cli import main
-from loopstack.cli_agent import TerminalApprover
-from loopstack.harness.approval import ToolCallRequest
+from tests.support import SHARED_DATA
+from loopstack.cli.main import main
+from loopstack.cli.agent import TerminalApprover
+from loopstack.harness.tools.approval import ToolCallRequest
 
 TRAJECTORY = (SHARED_DATA / "trajectories" / "swebench_minisweagent" / "full_trajectories"
               / "django__django-12155.traj.json")

@@ -10,7 +10,7 @@ import pytest
 from loopstack.harness.agent import Agent
 from loopstack.harness.compaction import compact, estimate_tokens
 from loopstack.harness.events import Compacted, FinalAnswer
-from loopstack.harness.tool import python_tool
+from loopstack.harness.tools.tool import python_tool
 
 
 def _user(text: str) -> dict[str, Any]:

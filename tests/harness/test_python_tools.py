@@ -9,7 +9,7 @@ import anyio
 import pydantic
 import pytest
 
-from loopstack.harness.tool import PythonTool, Tool, ToolResult, python_tool, serialize_result
+from loopstack.harness.tools.tool import PythonTool, Tool, ToolResult, python_tool, serialize_result
 
 
 def run(coro: Awaitable[Any]) -> Any:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from kernel_support import SHARED_DATA
+from tests.support import SHARED_DATA
 from loopstack.harness.agent import Agent
-from loopstack.harness.model_client import ModelClientError
-from loopstack.harness.replay_client import ReplayClient, replay
+from loopstack.harness.clients.base import ModelClientError
+from loopstack.harness.clients.replay import ReplayClient, replay
 from loopstack.harness.trajectory import (
     TrajectoryError,
     conversation_chars,

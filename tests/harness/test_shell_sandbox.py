@@ -9,13 +9,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from loopstack.harness.sandbox import (
+from loopstack.harness.tools.sandbox import (
     SandboxViolation,
     ShellResult,
     ShellSandbox,
     _unshare_works,
 )
-from loopstack.harness.shell_tool import ShellTool
+from loopstack.harness.tools.shell import ShellTool
 
 # allow_network=True runs without namespaces: the plain process-group path.
 ISOLATION_MODES = [pytest.param(False, id="namespaces-if-available"), pytest.param(True, id="process-group-only")]

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from loopstack.harness.ws_client import ResponsesWebSocketClient
+from loopstack.harness.clients.websocket import ResponsesWebSocketClient
 from websockets.asyncio.server import serve
 
 
@@ -55,7 +55,7 @@ def test_a_timed_out_response_does_not_answer_the_next_request():
 
 
 def test_a_client_keeps_only_the_most_recently_used_session_transports_open():
-    from loopstack.harness import model_client
+    from loopstack.harness.clients import base as model_client
 
     class Transport:
         def __init__(self) -> None:

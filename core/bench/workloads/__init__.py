@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ...markers import hookimpl
-from ..workload import Workload
-from .engine import EngineWorkload
-from .kernel import KernelOverheadWorkload
+from loopstack.hookspecs import hookimpl
+from loopstack.bench.workload import Workload
+from loopstack.bench.workloads.engine import EngineWorkload
+from loopstack.bench.workloads.kernel import KernelOverheadWorkload
 
 
 @hookimpl

@@ -17,8 +17,8 @@ import importlib.util
 import time
 from typing import Any
 
-from ...stack_schema import ResolvedStack
-from ..workload import BenchOptions, Workload
+from loopstack.stack.schema import ResolvedStack
+from loopstack.bench.workload import BenchOptions, Workload
 
 PREFILL_TOKENS = 1024
 TTFT_TOKENS = 512
@@ -45,8 +45,8 @@ class EngineWorkload(Workload):
         # torch and the backends load here, not when `loopstack bench --list` imports this module
         import torch
 
-        from .engine_backends import LlamaCppBackend, LoopstackBackend, TransformersBackend
-        from .engine_prompts import bench_prompt_ids
+        from loopstack.bench.workloads.engine_backends import LlamaCppBackend, LoopstackBackend, TransformersBackend
+        from loopstack.bench.workloads.engine_prompts import bench_prompt_ids
 
         engine_config = stacks[0].engine
         loopstack = LoopstackBackend(engine_config)

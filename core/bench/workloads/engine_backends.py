@@ -8,10 +8,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ...engine.factory import build_engine
-from ...engine.loaders import load_model, resolve_model_path
-from ...engine.sampling_params import SamplingParams
-from ...stack_schema import EngineConfig
+from loopstack.engine.factory import build_engine
+from loopstack.engine.loaders import load_model, resolve_model_path
+from loopstack.engine.sampling_params import SamplingParams
+from loopstack.stack.schema import EngineConfig
 
 
 class Backend(Protocol):

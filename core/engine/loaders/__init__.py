@@ -14,9 +14,9 @@ from loopstack.engine.device import resolve_device, resolve_dtype
 from loopstack.engine.errors import ModelNotFoundError
 from loopstack.engine.loaders.gguf_loader import load_gguf
 from loopstack.engine.loaders.safetensors_loader import load_hf_directory
-from loopstack.engine.model import CausalLM
-from loopstack.engine.quant import QuantMode, quantize_model
-from loopstack.engine.tokenizer import Tokenizer
+from loopstack.engine.model.llama import CausalLM
+from loopstack.engine.model.quant import QuantMode, quantize_model
+from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadedModel", "load_model", "resolve_model_path"]
 
@@ -92,7 +92,7 @@ def load_model(
         device: ``"auto"`` (cuda if present, else cpu), or any torch device string.
         dtype: ``"auto"`` (see :func:`~loopstack.engine.device.resolve_dtype`) or a dtype name.
         quantize: ``"int4"`` or ``"int8"`` weight-only projections for faster CPU decode
-            (see :func:`~loopstack.engine.quant.quantize_model`); CPU only.
+            (see :func:`~loopstack.engine.model.quant.quantize_model`); CPU only.
 
     Raises:
         ModelNotFoundError: see :func:`resolve_model_path`.

@@ -15,8 +15,8 @@ import torch
 
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import UnsupportedArchitectureError
-from loopstack.engine.model import CausalLM
-from loopstack.engine.tokenizer import Tokenizer
+from loopstack.engine.model.llama import CausalLM
+from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES", "GGUFTensor", "gguf_config", "load_gguf", "permute_rotary", "read_gguf",

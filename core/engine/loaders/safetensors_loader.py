@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import ModelNotFoundError
-from loopstack.engine.model import CausalLM
-from loopstack.engine.tokenizer import Tokenizer
+from loopstack.engine.model.llama import CausalLM
+from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = ["load_hf_directory", "safetensors_files", "save_hf_directory"]
 

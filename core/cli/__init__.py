@@ -1,0 +1,1 @@
+"""The ``loopstack`` command: ``main`` parses arguments; one module per command group."""

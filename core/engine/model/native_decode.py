@@ -1,0 +1,112 @@
+"""The decode step's layer loop in C++ (``csrc/decode_layers.cpp``), built on first use.
+
+A decode step of SmolLM2-135M runs ~35 ATen ops in each of 30 layers; from Python each
+costs ~4-8 us of interpreter and binding overhead on top of its kernel, a third of the
+step on 2 cores. The extension runs the same ops in the same order from C++ (what CUDA
+graphs do for a GPU engine, without capturing anything), so its logits equal the Python
+path's. It covers what CPU decode runs: a float32 residual stream with weight-only int4
+projections fed bfloat16 (``quant.quantize_model(model, "int4")`` on a CPU with fast
+bfloat16), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences. Anything else
+(prefill, other quantizations, sliding windows, a GPU) takes the Python layers.
+
+The build needs a C++ compiler and ninja; it takes ~1 minute once and is cached by torch
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). If it fails, the engine
+logs why once and keeps the Python path. ``LOOPSTACK_NATIVE_DECODE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loopstack.engine.model.attention import AttentionMetadata
+
+__all__ = ["NativeDecoder", "load_extension"]
+
+log = logging.getLogger("loopstack.engine")
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_layers.cpp"
+TENSORS_PER_LAYER = 13
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """The compiled extension, or ``None`` (turned off, or the build failed: logged once)."""
+    if os.environ.get("LOOPSTACK_NATIVE_DECODE", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="loopstack_decode_layers_v1", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the Python layers still work
+        log.warning("native decode unavailable (%s: %s); decode steps use the Python layers",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+class NativeDecoder:
+    """Runs a quantized CausalLM's decoder layers for decode steps through the extension."""
+
+    def __init__(self, extension: Any, model: Any, weights: list[torch.Tensor], group_size: int, max_rows: int) -> None:
+        self._ext = extension
+        self._weights = weights
+        c = model.config
+        self._shape = (c.num_heads, c.num_kv_heads, c.head_dim)
+        self._scale = c.head_dim**-0.5
+        self._group_size = group_size
+        self.max_rows = max_rows
+
+    @classmethod
+    def for_model(cls, model: Any) -> NativeDecoder | None:
+        """A decoder for ``model``, or ``None`` where it does not apply or cannot be built."""
+        from loopstack.engine.model.quant import DENSE_ABOVE_ROWS, Int4Linear
+
+        if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.sliding_window is not None:
+            return None
+        layers = list(model.layers)
+        projections = [
+            p for layer in layers
+            for p in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        if not all(isinstance(p, Int4Linear) for p in projections):
+            return None
+        if any(layer.projection_dtype != torch.bfloat16 for layer in layers):
+            return None
+        group_sizes = {p.group_size for p in projections}
+        unbiased = (p for layer in layers for p in (layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        if len(group_sizes) != 1 or any(p.bias is not None for p in unbiased):  # only q/k/v may have a bias
+            return None
+        extension = load_extension()
+        if extension is None:
+            return None
+        empty = torch.empty(0)
+        weights: list[torch.Tensor] = []
+        for layer in layers:
+            attn, mlp = layer.attn, layer.mlp
+            weights += [*layer.input_norm._scaled_weight(), attn.qkv_proj.packed, attn.qkv_proj.scales_and_zeros,
+                        empty if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+                        attn.o_proj.packed, attn.o_proj.scales_and_zeros, *layer.post_attn_norm._scaled_weight(),
+                        mlp.gate_up_proj.packed, mlp.gate_up_proj.scales_and_zeros,
+                        mlp.down_proj.packed, mlp.down_proj.scales_and_zeros]
+        return cls(extension, model, weights, group_sizes.pop(), DENSE_ABOVE_ROWS)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None  # it holds the original model's weights: a copied model takes the Python layers
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return meta.max_query_len == 1 and meta.num_tokens <= self.max_rows
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_slots: torch.Tensor,
+            meta: AttentionMetadata, mask: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after every decoder layer (``[B, hidden]``); writes the new K/V."""
+        num_heads, num_kv_heads, head_dim = self._shape
+        contiguous = meta.contiguous_first_block
+        return self._ext.decode_layers(
+            hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, meta.context_lens[0],
+            -1 if contiguous is None else contiguous * meta.block_size, mask, self._weights,
+            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale,
+        )

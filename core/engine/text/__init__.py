@@ -1,0 +1,1 @@
+"""Text in and out of the engine: the tokenizer and chat templates, and grammar-constrained decoding."""

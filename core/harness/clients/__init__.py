@@ -1,0 +1,1 @@
+"""Model clients: what the agent loop calls the model through (HTTP, WebSocket, Chat Completions, embedded, replay)."""

@@ -1,0 +1,1 @@
+"""The ws_deltas benchmark: its workload, datasets and test doubles (not imported at run time)."""

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from loopstack import StackLoader
+from loopstack.bench import BenchOptions, Workload, run_bench
+from loopstack.bench.registry import workloads
+from loopstack.cli.main import main
+
+
+class OrderRecorder(Workload):
+    name = "order"
+    description = "records the order columns run in"
+    default_steps = 4
+
+    def __init__(self):
+        self.order = []
+
+    async def step(self, column, index):
+        self.order.append(column)
+        return {"value": 2.0 if column == "second" else 1.0, f"only_{column}": 1.0}
+
+
+def test_runner_alternates_and_computes_ratios(catalog, write_stack):
+    loader = StackLoader(catalog)
+    stacks = [loader.load(write_stack("first", "")), loader.load(write_stack("second", ""))]
+    workload = OrderRecorder()
+    result = anyio.run(lambda: run_bench(workload, stacks, BenchOptions(), progress=False))
+    assert workload.order == ["first", "second", "second", "first"] * 2
+    assert result.columns == ["first", "second"]
+    assert result.metrics["value"] == {"first": 1.0, "second": 2.0}
+    assert result.ratios["value"] == 2.0
+    assert result.ratios["only_first"] is None  # missing in the last column: no ratio
+    payload = result.to_json()
+    assert set(payload) == {"workload", "columns", "metrics", "ratios", "config"}
+    assert payload["config"]["steps"] == 4
+
+
+def test_same_stack_twice_gets_unique_columns(catalog):
+    stack = StackLoader(catalog).load("baseline")
+    assert OrderRecorder().columns([stack, stack]) == ["baseline", "baseline#2"]
+
+
+def test_kernel_workload_is_registered(catalog):
+    assert "kernel" in workloads(catalog)
+
+
+def test_cli_bench_writes_json_in_the_documented_shape(tmp_path, capsys):
+    out = tmp_path / "kernel.json"
+    code = main(["bench", "--workload", "kernel", "--stack", "baseline", "--stack", "full",
+                 "--quick", "--no-progress", "--json", str(out), "--no-plot"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["workload"] == "kernel" and data["columns"] == ["baseline", "full"]
+    assert set(data["metrics"]["request_overhead_us"]) == {"baseline", "full"}
+    assert data["metrics"]["request_overhead_us"]["baseline"] > 0
+    assert "request_overhead_us" in capsys.readouterr().out
+
+
+def test_cli_bench_unknown_workload(capsys):
+
+    with pytest.raises(SystemExit, match=r"unknown workload 'nope'; available: (\w[\w-]*, )*engine, (\w[\w-]*, )*kernel"):
+        main(["bench", "--workload", "nope"])
+
+
+def test_workloads_come_from_the_discovery_hook_and_names_are_unique(catalog):
+    import types
+
+
+    from loopstack import hookimpl
+
+    module = types.ModuleType("extra_workloads")
+
+    @hookimpl
+    def loopstack_bench_workloads():
+        return [OrderRecorder()]
+
+    module.loopstack_bench_workloads = loopstack_bench_workloads
+    catalog.discovery.register(module, name="extra_workloads")
+    assert isinstance(workloads(catalog)["order"], OrderRecorder)
+    clone = types.ModuleType("clone_workloads")
+    clone.loopstack_bench_workloads = loopstack_bench_workloads
+    catalog.discovery.register(clone, name="clone_workloads")
+    with pytest.raises(ValueError, match="two workloads are named 'order'"):
+        workloads(catalog)
+
+
+def test_cli_bench_option_must_be_key_value():
+    with pytest.raises(SystemExit, match="--option takes KEY=VALUE"):
+        main(["bench", "--workload", "kernel", "--option", "turns"])

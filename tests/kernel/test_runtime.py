@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import anyio
+
+from tests.support import Recorder
+from loopstack import Session, StackLoader, StackRuntime
+
+
+def runtime_for(catalog, write_stack, text):
+    return StackRuntime(StackLoader(catalog).load(write_stack("s", text)), catalog)
+
+
+async def endpoint(request, ctx):
+    yield "endpoint"
+
+
+def run_chain(ctx):
+    async def collect():
+        return [event async for event in ctx.chain("model", endpoint)({}, ctx)]
+
+    return anyio.run(collect)
+
+
+def test_disabled_plugin_is_never_called(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, "[plugins.recorder]\nenabled = false\n")
+    ctx = runtime.context()
+    request = {}
+    ctx.hooks.prepare_request(request=request, ctx=ctx)
+    assert request == {} and Recorder.calls == []
+    assert not ctx.enabled("recorder") and ctx.arm("recorder") == "off"
+    assert run_chain(ctx) == ["endpoint"]
+
+
+def test_enabled_plugin_is_configured_called_and_composed(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, '[plugins.recorder]\nenabled = true\nlabel = "x"\n')
+    ctx = runtime.context()
+    request = {}
+    ctx.hooks.prepare_request(request=request, ctx=ctx)
+    assert request == {"seen_by": ["x"]}
+    assert ctx.enabled("recorder") and ctx.arm("recorder") == "default"
+    assert run_chain(ctx) == ["x:before", "endpoint"]
+    runtime.close()
+    runtime.close()  # idempotent
+    assert Recorder.calls == [("configure", "x"), ("prepare_request", "x"), ("unconfigure", "x")]
+
+
+def test_unimplemented_plugins_are_skipped(catalog):
+    runtime = StackRuntime(StackLoader(catalog).load("full"), catalog)
+    assert "spec_decode" in runtime.skipped
+    assert not runtime.context().enabled("spec_decode")
+
+
+AB_STACK = """
+[plugins.recorder]
+enabled = true
+label = "base"
+[experiments.rec]
+plugin = "recorder"
+arms = { on = 0.5, off = 0.5 }
+allow_override = true
+"""
+
+
+def test_arm_off_behaves_as_if_absent(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, AB_STACK)
+    off = runtime.context(overrides={"rec": "off"})
+    on = runtime.context(overrides={"rec": "on"})
+    request_off, request_on = {}, {}
+    off.hooks.prepare_request(request=request_off, ctx=off)
+    on.hooks.prepare_request(request=request_on, ctx=on)
+    assert request_off == {} and request_on == {"seen_by": ["base"]}
+    assert run_chain(off) == ["endpoint"]
+    assert run_chain(on) == ["base:before", "endpoint"]
+    assert (off.enabled("recorder"), on.enabled("recorder")) == (False, True)
+
+
+def test_hook_callers_and_chains_are_cached_per_combination(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, AB_STACK)
+    a = runtime.context(overrides={"rec": "off"})
+    b = runtime.context(overrides={"rec": "off"})
+    assert a.hooks is b.hooks
+    assert a.chain("model", endpoint) is b.chain("model", endpoint)
+    runtime.context(overrides={"rec": "on"})
+    assert runtime.statistics().combinations_cached == 2
+
+
+def test_arm_variants_get_their_own_config(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, """
+    [plugins.recorder]
+    enabled = true
+    label = "base"
+    [experiments.rec]
+    plugin = "recorder"
+    arms = { small = 0.5, big = 0.5 }
+    allow_override = true
+    variants = { big = { label = "big", weight = 9 } }
+    """)
+    small, big = runtime.context(overrides={"rec": "small"}), runtime.context(overrides={"rec": "big"})
+    assert run_chain(small) == ["base:before", "endpoint"]
+    assert run_chain(big) == ["big:before", "endpoint"]
+    assert runtime.instance("recorder", "big").config.weight == 9
+    assert runtime.instance("recorder", "small").config.weight == 1
+
+
+def test_metrics_from_a_context_carry_plugin_and_arm(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, AB_STACK)
+    runtime.context(session=Session(id="a"), overrides={"rec": "on"}).observe("latency_seconds", 0.5)
+    runtime.context(session=Session(id="b"), overrides={"rec": "off"}).observe("latency_seconds", 0.25)
+    histogram = runtime.metrics.histogram("latency_seconds", "")
+    assert histogram.series(plugin="recorder", arm="on").sum == 0.5
+    assert histogram.series(plugin="recorder", arm="off").sum == 0.25
+    requests = runtime.metrics.counter("loopstack_requests_total", "")
+    assert requests.value(plugin="recorder", arm="on") == 1
+
+
+def test_session_and_request_state_are_separate(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, "[plugins.recorder]\nenabled = true\n")
+    session = Session(id="s")
+    first, second = runtime.context(session=session), runtime.context(session=session)
+    first.session.state("recorder", list).append(1)
+    assert second.session.state("recorder", list) == [1]
+    first.state("recorder", list).append(1)
+    assert second.state("recorder", list) == []
