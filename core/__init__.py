@@ -11,7 +11,7 @@ from loopstack.experiments import ArmOverrideError
 from loopstack.live import LiveStack, ReloadResult
 from loopstack.hookspecs import hookimpl, hookspec
 from loopstack.metrics import MetricsRegistry
-from loopstack.middleware import Handler, MiddlewareFactory, compose
+from loopstack.middleware import Chain, MiddlewareStack, compose
 from loopstack.plugin import Layer, Plugin, PluginConfig
 from loopstack.catalog import PluginCatalog, PluginLoadError, PluginSpec
 from loopstack.runtime import StackRuntime
@@ -19,16 +19,20 @@ from loopstack.stack.loader import StackLoader, find_stack, list_stacks
 from loopstack.stack.errors import StackError, StackIssue
 from loopstack.stack.schema import ResolvedStack
 from loopstack.tools import ToolInfo, ToolSet
+from loopstack.types import Handler, MiddlewareFactory, ModelHandler, ResponseHandler, StateKey, ToolHandler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArmOverrideError",
+    "Chain",
     "Handler",
     "Layer",
     "LiveStack",
     "MetricsRegistry",
     "MiddlewareFactory",
+    "MiddlewareStack",
+    "ModelHandler",
     "Plugin",
     "PluginCatalog",
     "PluginConfig",
@@ -37,11 +41,14 @@ __all__ = [
     "ReloadResult",
     "RequestContext",
     "ResolvedStack",
+    "ResponseHandler",
     "Session",
     "StackError",
     "StackIssue",
     "StackLoader",
     "StackRuntime",
+    "StateKey",
+    "ToolHandler",
     "ToolInfo",
     "ToolSet",
     "__version__",

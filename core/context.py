@@ -15,12 +15,25 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loopstack.experiments import DEFAULT_ARM, OFF
 from loopstack.hooks import HookFacade
-from loopstack.middleware import Handler
+from loopstack.middleware import MiddlewareStack
+from loopstack.types import Handler, StateKey
 
 if TYPE_CHECKING:
-    from loopstack.runtime import StackRuntime, _Combination
+    from loopstack.runtime import Combination, StackRuntime
 
 T = TypeVar("T")
+
+
+def _state_of(store: dict[Any, Any], key: StateKey[T] | str, factory: Callable[[], T] | None) -> T:
+    if isinstance(key, StateKey):
+        if factory is not None:
+            raise TypeError(f"{key!r} carries its own factory; call state(key) without one")
+        factory = key.factory
+    elif factory is None:
+        raise TypeError(f"state({key!r}) needs a factory; better, pass a StateKey")
+    if key not in store:
+        store[key] = factory()
+    return store[key]
 
 
 @dataclass
@@ -31,11 +44,10 @@ class Session:
     tenant: str = "default"
     _state: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def state(self, plugin: str, factory: Callable[[], T]) -> T:
-        """The plugin's state object for this session, created on first use."""
-        if plugin not in self._state:
-            self._state[plugin] = factory()
-        return self._state[plugin]
+    def state(self, key: StateKey[T] | str, factory: Callable[[], T] | None = None) -> T:
+        """The state object under ``key`` for this session, created by the key's factory on
+        first use. A bare string key with a ``factory`` is the older form, still accepted."""
+        return _state_of(self._state, key, factory)
 
     def close(self) -> None:
         """End the session: every state object with a ``close()`` method is closed (in the
@@ -55,7 +67,7 @@ class RequestContext:
     def __init__(
         self,
         runtime: StackRuntime,
-        combination: _Combination,
+        combination: Combination,
         session: Session,
         request_id: str,
     ) -> None:
@@ -87,16 +99,24 @@ class RequestContext:
         """The plugin's arm for this request: an experiment arm, "default", or "off"."""
         return self._combination.plugin_arms.get(plugin, DEFAULT_ARM if self.enabled(plugin) else OFF)
 
-    def chain(self, kind: str, endpoint: Handler) -> Handler:
-        """The composed middleware chain of ``kind`` (model, tool, response, engine)
-        around ``endpoint``, built once per combination of arms and endpoint."""
-        return self.runtime._chain(self._combination, kind, endpoint)
+    def middleware(self, kind: str) -> MiddlewareStack:
+        """The middleware factories of chain ``kind`` (model, tool, response, engine) for this
+        request's combination of arms, outermost first; the same object for every request
+        with the same arms. Hosts compose it around their endpoint with a
+        :class:`~loopstack.middleware.Chain`."""
+        return self.runtime.middleware(self._combination, kind)
 
-    def state(self, plugin: str, factory: Callable[[], T]) -> T:
-        """The plugin's state object for this request, created on first use."""
-        if plugin not in self._state:
-            self._state[plugin] = factory()
-        return self._state[plugin]
+    def chain(self, kind: str, endpoint: Handler) -> Handler:
+        """The middleware chain of ``kind`` around ``endpoint``. Composed once per combination
+        of arms and endpoint when ``endpoint`` is a long-lived function (module-level); a
+        host with a per-instance endpoint (a bound method) holds a
+        :class:`~loopstack.middleware.Chain` instead."""
+        return self.middleware(kind).around(endpoint)
+
+    def state(self, key: StateKey[T] | str, factory: Callable[[], T] | None = None) -> T:
+        """The state object under ``key`` for this request, created by the key's factory on
+        first use. A bare string key with a ``factory`` is the older form, still accepted."""
+        return _state_of(self._state, key, factory)
 
     def _label_sets(self) -> list[tuple[str, str]]:
         pairs = list(self._combination.plugin_arms.items())

@@ -1,28 +1,40 @@
 """Async middleware chains over synchronous pluggy hooks.
 
-A handler is an async callable. A middleware factory takes the next handler and returns
-a handler that wraps it (the ASGI pattern). Hooks return factories; the host composes
-them once per combination of A/B arms and reuses the chain for every request that
-has that combination.
+A handler is an async callable; a middleware factory takes the next handler and returns a
+handler that wraps it (the ASGI pattern; the types are in :mod:`loopstack.types`). Hooks return
+factories; the kernel collects them once per combination of A/B arms into a
+:class:`MiddlewareStack`, and a host composes that stack around its endpoint once per
+combination with a :class:`Chain`, so every request with the same arms reuses one chain.
 
 Example::
 
-    def timing(next_handler):
-        async def handler(request, ctx):
-            started = time.perf_counter()
-            async for event in next_handler(request, ctx):
-                yield event
-            ctx.observe("model_call_seconds", time.perf_counter() - started)
-        return handler
+    class Agent:
+        def __init__(self, client):
+            self.client = client
+            self._model_chain = Chain("model", self._call_model)  # the endpoint may be a bound method
+
+        async def _call_model(self, request, ctx):
+            ...
+
+        async def turn(self, request, ctx):
+            async for event in self._model_chain.handler(ctx)(request, ctx):
+                ...
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-Handler = Callable[..., Any]
-MiddlewareFactory = Callable[[Handler], Handler]
+from loopstack.types import Handler, MiddlewareFactory
+
+if TYPE_CHECKING:
+    from loopstack.context import RequestContext
+
+__all__ = ["Chain", "Handler", "MiddlewareFactory", "MiddlewareStack", "compose"]
+
+H = TypeVar("H", bound=Handler)
 
 
 def compose(factories: Iterable[MiddlewareFactory | None], endpoint: Handler) -> Handler:
@@ -35,3 +47,57 @@ def compose(factories: Iterable[MiddlewareFactory | None], endpoint: Handler) ->
     for factory in reversed([f for f in factories if f is not None]):
         handler = factory(handler)
     return handler
+
+
+class MiddlewareStack:
+    """The middleware factories of one chain kind for one combination of arms, outermost first.
+
+    Made once per combination by the kernel and immutable; hosts key their composed chains
+    on it (weakly), so a retired stack's chains go with it.
+    """
+
+    __slots__ = ("kind", "factories", "_around", "__weakref__")
+
+    def __init__(self, kind: str, factories: Iterable[MiddlewareFactory]) -> None:
+        self.kind = kind
+        self.factories: tuple[MiddlewareFactory, ...] = tuple(factories)
+        # endpoint -> composed chain; weak keys: a dropped endpoint frees its chain
+        self._around: weakref.WeakKeyDictionary[Handler, Handler] = weakref.WeakKeyDictionary()
+
+    def around(self, endpoint: H) -> H:
+        """This stack composed around ``endpoint``: cached per endpoint while the endpoint
+        lives (module-level functions); composed anew for endpoints that cannot be weakly
+        referenced or are made per call (bound methods: use a :class:`Chain`)."""
+        try:
+            chain = self._around.get(endpoint)
+        except TypeError:  # not weak-referenceable (a builtin, a functools.partial of one)
+            return compose(self.factories, endpoint)  # type: ignore[return-value]
+        if chain is None:
+            chain = compose(self.factories, endpoint)
+            if not hasattr(endpoint, "__self__"):  # a bound method is made per access: caching it is waste
+                self._around[endpoint] = chain
+        return chain  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self.factories)
+
+    def __repr__(self) -> str:
+        return f"<MiddlewareStack {self.kind!r} of {len(self.factories)}>"
+
+
+class Chain(Generic[H]):
+    """One endpoint with the middlewares of chain ``kind`` around it, composed once per
+    combination of arms and kept by the host (an agent, a server) for as long as it lives."""
+
+    def __init__(self, kind: str, endpoint: H) -> None:
+        self.kind = kind
+        self.endpoint = endpoint
+        self._handlers: weakref.WeakKeyDictionary[MiddlewareStack, H] = weakref.WeakKeyDictionary()
+
+    def handler(self, ctx: RequestContext) -> H:
+        """The composed handler for ``ctx``'s combination of arms."""
+        stack = ctx.middleware(self.kind)
+        handler = self._handlers.get(stack)
+        if handler is None:
+            handler = self._handlers[stack] = compose(stack.factories, self.endpoint)  # type: ignore[assignment]
+        return handler  # type: ignore[return-value]

@@ -19,19 +19,21 @@ from loopstack.context import RequestContext, Session
 from loopstack.experiments import DEFAULT_ARM, OFF, UnitKeys, resolve_arms
 from loopstack.hooks import MIDDLEWARE_HOOKS, HookFacade
 from loopstack.metrics import MetricsRegistry
-from loopstack.middleware import Handler, compose
+from loopstack.middleware import MiddlewareStack
 from loopstack.plugin import Plugin
 from loopstack.catalog import PluginCatalog, new_pluggy_manager
 from loopstack.stack.schema import ResolvedStack
 
 
-@dataclass
-class _Combination:
+@dataclass(eq=False)
+class Combination:
+    """One combination of A/B arms: its hook caller and its middleware stacks, made once."""
+
     arms: dict[str, str]  # experiment -> arm
     plugin_arms: dict[str, str]  # plugin -> arm, for split plugins
     active: frozenset[str]
     hooks: HookFacade
-    chains: dict[tuple[str, int], tuple[Handler, Handler]] = field(default_factory=dict)
+    stacks: dict[str, MiddlewareStack] = field(default_factory=dict)  # chain kind -> its middlewares
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class StackRuntime:
         self.pm: pluggy.PluginManager = new_pluggy_manager()
         self.skipped: list[str] = []  # enabled in the stack but not implemented (or blocked)
         self._instances: dict[tuple[str, str], Plugin] = {}  # (plugin, arm) -> instance
-        self._combinations: dict[tuple[tuple[str, str], ...], _Combination] = {}
+        self._combinations: dict[tuple[tuple[str, str], ...], Combination] = {}
         self._num_requests = 0
         self._closed = False
         self._register_plugins()
@@ -84,7 +86,7 @@ class StackRuntime:
     def active_plugins(self) -> list[str]:
         return sorted({name for name, _ in self._instances})
 
-    def _combination(self, arms: dict[str, str]) -> _Combination:
+    def _combination(self, arms: dict[str, str]) -> Combination:
         key = tuple(sorted(arms.items()))
         combo = self._combinations.get(key)
         if combo is not None:
@@ -94,7 +96,7 @@ class StackRuntime:
             instance for (name, arm), instance in self._instances.items() if name in plugin_arms and plugin_arms[name] != arm
         )
         active = frozenset(name for (name, arm), inst in self._instances.items() if inst not in excluded)
-        combo = _Combination(arms, plugin_arms, active, HookFacade(self.pm, excluded))
+        combo = Combination(arms, plugin_arms, active, HookFacade(self.pm, excluded))
         self._combinations[key] = combo
         return combo
 
@@ -118,16 +120,15 @@ class StackRuntime:
         ctx.count("loopstack_requests_total", help="requests served, by plugin and arm")
         return ctx
 
-    def _chain(self, combo: _Combination, kind: str, endpoint: Handler) -> Handler:
-        if kind not in MIDDLEWARE_HOOKS:
-            raise ValueError(f"unknown middleware kind {kind!r}; kinds: {', '.join(MIDDLEWARE_HOOKS)}")
-        key = (kind, id(endpoint))
-        cached = combo.chains.get(key)
-        if cached is None:
+    def middleware(self, combo: Combination, kind: str) -> MiddlewareStack:
+        """The middleware stack of chain ``kind`` for ``combo``, collected from its hook once."""
+        stack = combo.stacks.get(kind)
+        if stack is None:
+            if kind not in MIDDLEWARE_HOOKS:
+                raise ValueError(f"unknown middleware kind {kind!r}; kinds: {', '.join(MIDDLEWARE_HOOKS)}")
             factories = getattr(combo.hooks, MIDDLEWARE_HOOKS[kind])(self)
-            # keep the endpoint alive beside its chain so its id() cannot be reused
-            cached = combo.chains[key] = (endpoint, compose(factories, endpoint))
-        return cached[1]
+            stack = combo.stacks[kind] = MiddlewareStack(kind, factories)
+        return stack
 
     def close(self) -> None:
         """Retire the stack: calls ``loopstack_unconfigure`` once."""
