@@ -33,7 +33,8 @@ def _state_of(store: dict[Any, Any], key: StateKey[T] | str, factory: Callable[[
         raise TypeError(f"state({key!r}) needs a factory; better, pass a StateKey")
     if key not in store:
         store[key] = factory()
-    return store[key]
+    value: T = store[key]
+    return value
 
 
 @dataclass

@@ -14,8 +14,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
-    from loopstack.middleware import MiddlewareFactory
+    from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
+    from loopstack.types import MiddlewareFactory, StreamedToolCall
 
 
 class HookFacade:
@@ -38,10 +39,10 @@ class HookFacade:
         return caller
 
     # kernel
-    def configure(self, runtime: Any) -> None:
+    def configure(self, runtime: StackRuntime) -> None:
         self.caller("loopstack_configure")(runtime=runtime)
 
-    def unconfigure(self, runtime: Any) -> None:
+    def unconfigure(self, runtime: StackRuntime) -> None:
         self.caller("loopstack_unconfigure")(runtime=runtime)
 
     # harness
@@ -55,22 +56,23 @@ class HookFacade:
         self.caller("loopstack_prepare_request")(request=request, ctx=ctx)
 
     def serialize_request(self, request: dict[str, Any], ctx: RequestContext) -> bytes | None:
-        return self.caller("loopstack_serialize_request")(request=request, ctx=ctx)
+        result: bytes | None = self.caller("loopstack_serialize_request")(request=request, ctx=ctx)
+        return result
 
-    def tool_call_delta(self, call: Any, ctx: RequestContext) -> None:
+    def tool_call_delta(self, call: StreamedToolCall, ctx: RequestContext) -> None:
         self.caller("loopstack_tool_call_delta")(call=call, ctx=ctx)
 
-    def model_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+    def model_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_model_middleware")(runtime=runtime) if m is not None]
 
-    def tool_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+    def tool_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_tool_middleware")(runtime=runtime) if m is not None]
 
     # api
     def client_transport(self, ctx: RequestContext) -> Any | None:
         return self.caller("loopstack_client_transport")(ctx=ctx)
 
-    def response_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+    def response_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_response_middleware")(runtime=runtime) if m is not None]
 
     def guards(self, ctx: RequestContext) -> list[Any]:
@@ -78,7 +80,8 @@ class HookFacade:
 
     # inference
     def route(self, request: Any, replicas: list[Any], ctx: RequestContext) -> int | None:
-        return self.caller("loopstack_route")(request=request, replicas=replicas, ctx=ctx)
+        choice: int | None = self.caller("loopstack_route")(request=request, replicas=replicas, ctx=ctx)
+        return choice
 
     def proposer(self, ctx: RequestContext) -> Any | None:
         return self.caller("loopstack_proposer")(ctx=ctx)
@@ -86,7 +89,7 @@ class HookFacade:
     def topology(self, engine_config: Any) -> Any | None:
         return self.caller("loopstack_topology")(engine_config=engine_config)
 
-    def engine_middleware(self, runtime: Any) -> list[MiddlewareFactory]:
+    def engine_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_engine_middleware")(runtime=runtime) if m is not None]
 
 

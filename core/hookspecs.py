@@ -23,13 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-if TYPE_CHECKING:
-    from loopstack.bench.workload import Workload
+if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
     from loopstack.context import RequestContext
-    from loopstack.harness.call_stream import StreamedCall
-    from loopstack.middleware import MiddlewareFactory
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
+    from loopstack.types import MiddlewareFactory, StreamedToolCall, WorkloadInfo
 
 
 PROJECT_NAME = "loopstack"
@@ -46,7 +44,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def loopstack_bench_workloads() -> list[Workload]:
+def loopstack_bench_workloads() -> list[WorkloadInfo]:
     """Return benchmark workloads this plugin brings to ``loopstack bench``.
 
     Called once per process on plugin modules. Each workload has a unique ``name``;
@@ -125,7 +123,7 @@ def loopstack_tool_middleware(runtime: StackRuntime) -> MiddlewareFactory | None
 
 
 @hookspec
-def loopstack_tool_call_delta(call: StreamedCall, ctx: RequestContext) -> None:
+def loopstack_tool_call_delta(call: StreamedToolCall, ctx: RequestContext) -> None:
     """The model is writing a tool call: ``call.name``, ``call.call_id``, the piece that
     just arrived (``call.delta``) and the text so far (``call.arguments``, the model's own,
     usually not yet valid JSON; joined when read), once per streamed piece.

@@ -17,7 +17,7 @@ import re
 import threading
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 BASE_LABELS = ("plugin", "arm")
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -65,8 +65,17 @@ class _Metric:
             )
         return tuple(str(labels[n]) for n in self.labelnames)
 
+    def _render(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
     def _labels_of(self, key: tuple[str, ...]) -> dict[str, str]:
         return dict(zip(self.labelnames, key))
+
+
+M = TypeVar("M", bound=_Metric)
 
 
 class Counter(_Metric):
@@ -80,7 +89,7 @@ class Counter(_Metric):
             self._series[key] = self._series.get(key, 0.0) + amount
 
     def value(self, **labels: Any) -> float:
-        return self._series.get(self._key(labels), 0.0)
+        return float(self._series.get(self._key(labels), 0.0))
 
     def _render(self) -> Iterable[str]:
         for key, value in sorted(self._series.items()):
@@ -151,7 +160,7 @@ class MetricsRegistry:
         self._metrics: dict[str, _Metric] = {}
         self._lock = threading.Lock()
 
-    def _get(self, cls: type, name: str, help: str, labelnames: Sequence[str], **kw: Any) -> Any:
+    def _get(self, cls: type[M], name: str, help: str, labelnames: Sequence[str], **kw: Any) -> M:
         with self._lock:
             existing = self._metrics.get(name)
             if existing is not None:

@@ -81,8 +81,8 @@ def _compare_histogram(plugin, name, by_arm, reference, rng, confidence, resampl
     boots = {arm: bootstrap_mean(x, rng, resamples) if len(x) else None for arm, x in samples.items()}
     summaries = []
     for arm in sorted(samples):
-        x = samples[arm]
-        low, high = _interval(boots[arm], confidence) if boots[arm] is not None else (float("nan"),) * 2
+        x, boot = samples[arm], boots[arm]
+        low, high = _interval(boot, confidence) if boot is not None else (float("nan"),) * 2
         summaries.append(ArmSummary(arm, len(x), float(x.mean()) if len(x) else float("nan"), low, high))
     ratios: dict[str, tuple[float, float, float] | None] = {}
     ref_boot = boots[reference]

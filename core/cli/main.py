@@ -137,10 +137,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         result.write_json(Path(args.json))
         print(f"wrote {args.json}")
-        plot = None if args.no_plot else write_plot(result, Path(args.plot_dir) / f"{result.workload}.png")
-        if plot:
-            print(f"wrote {plot}")
+    plot_path = _plot_path(args)
+    if plot_path is not None:
+        plot = write_plot(result, plot_path)
+        print(f"wrote {plot}" if plot else "no plot: matplotlib is not installed (pip install -e '.[bench]')")
     return 0
+
+
+def _plot_path(args: argparse.Namespace) -> Path | None:
+    """Where the PNG goes: ``--plot``, else beside the ``--json`` file; never anywhere unasked."""
+    if args.no_plot:
+        return None
+    if args.plot:
+        return Path(args.plot)
+    return Path(args.json).with_suffix(".png") if args.json else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -204,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "then print each metric per stack and the ratio last/first.")
     p.add_argument("--workload", "-w", help="workload name (see --list)")
     p.add_argument("--stack", "-s", action="append", help="stack name or file; repeat to compare (default: baseline)")
-    p.add_argument("--json", metavar="PATH", help="write results as JSON (and a PNG plot to --plot-dir)")
-    p.add_argument("--plot-dir", default="docs/results", help="where the PNG goes (default docs/results)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON, and a PNG plot beside it (PATH.png)")
+    p.add_argument("--plot", metavar="PATH", help="write the PNG plot here (default: beside --json; none without either)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--steps", type=int, help="measured rounds per stack (default: the workload's)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")

@@ -72,7 +72,7 @@ def tiny_tokenizer_json() -> str:
     """``tokenizer.json`` text of the tiny byte-level tokenizer (vocab 260)."""
     tokens, merges = tiny_tokenizer_parts()
     backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                          merges=[tuple(m.split(" ")) for m in merges]))
+                                          merges=[(a, b) for a, b in (m.split(" ") for m in merges)]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])

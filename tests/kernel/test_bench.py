@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib.util
+
 import json
 
 import anyio
@@ -58,6 +60,21 @@ def test_cli_bench_writes_json_in_the_documented_shape(tmp_path, capsys):
     assert set(data["metrics"]["request_overhead_us"]) == {"baseline", "full"}
     assert data["metrics"]["request_overhead_us"]["baseline"] > 0
     assert "request_overhead_us" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot needs matplotlib (bench extra)")
+def test_cli_bench_puts_its_plot_beside_the_json_and_nowhere_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out" / "kernel.json"
+    assert main(["bench", "--workload", "kernel", "--quick", "--no-progress", "--json", str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["kernel.json", "kernel.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no docs/results/ made in the working dir
+
+
+def test_cli_bench_writes_no_plot_unasked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--workload", "kernel", "--quick", "--no-progress"]) == 0
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_bench_unknown_workload(capsys):

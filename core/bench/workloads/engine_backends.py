@@ -69,7 +69,7 @@ class TransformersBackend:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         c = float_model.config
-        config = LlamaConfig(
+        config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta goes through **kwargs
             vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
             num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
             head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
