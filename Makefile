@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench-deps clean
+.PHONY: demo test lint install bench-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/loopstack demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
+
+# ruff (pyflakes, import order, unused code) over the tree; mypy over core/ (strict for the kernel).
+# mypy reads core/ as the package loopstack through a symlink (the editable install maps it at run time only).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	mkdir -p build/typecheck && ln -sfn ../../core build/typecheck/loopstack
+	$(VENV)/bin/mypy
 
 # Optional: the llama.cpp column of `loopstack bench --workload engine` (builds ~5-10 min).
 # GGML_NATIVE=OFF: a native build's AMX path dies with "Illegal instruction" on some VMs.

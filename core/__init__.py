@@ -6,17 +6,17 @@ write a plugin.
 
 from __future__ import annotations
 
+from loopstack.catalog import PluginCatalog, PluginLoadError, PluginSpec
 from loopstack.context import RequestContext, Session
 from loopstack.experiments import ArmOverrideError
-from loopstack.live import LiveStack, ReloadResult
 from loopstack.hookspecs import hookimpl, hookspec
+from loopstack.live import LiveStack, ReloadResult
 from loopstack.metrics import MetricsRegistry
 from loopstack.middleware import Chain, MiddlewareStack, compose
 from loopstack.plugin import Layer, Plugin, PluginConfig
-from loopstack.catalog import PluginCatalog, PluginLoadError, PluginSpec
 from loopstack.runtime import StackRuntime
-from loopstack.stack.loader import StackLoader, find_stack, list_stacks
 from loopstack.stack.errors import StackError, StackIssue
+from loopstack.stack.loader import StackLoader, find_stack, list_stacks
 from loopstack.stack.schema import ResolvedStack
 from loopstack.tools import ToolInfo, ToolSet
 from loopstack.types import Handler, MiddlewareFactory, ModelHandler, ResponseHandler, StateKey, ToolHandler

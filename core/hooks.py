@@ -7,7 +7,6 @@ mutate) is written down.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -16,7 +15,7 @@ if TYPE_CHECKING:
     from loopstack.context import RequestContext
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
-    from loopstack.types import MiddlewareFactory, StreamedToolCall
+    from loopstack.types import MiddlewareFactory, PromptIds, PromptRequest, StreamedToolCall
 
 
 class HookFacade:
@@ -25,9 +24,9 @@ class HookFacade:
     def __init__(self, pm: pluggy.PluginManager, excluded: frozenset[object] = frozenset()) -> None:
         self._pm = pm
         self._excluded = excluded
-        self._callers: dict[str, Callable[..., Any]] = {}
+        self._callers: dict[str, pluggy.HookCaller] = {}
 
-    def caller(self, name: str) -> Callable[..., Any]:
+    def caller(self, name: str) -> pluggy.HookCaller:
         """The pluggy caller for hook ``name`` without the excluded plugins (cached)."""
         caller = self._callers.get(name)
         if caller is None:
@@ -35,6 +34,7 @@ class HookFacade:
                 caller = self._pm.subset_hook_caller(name, remove_plugins=self._excluded)
             else:
                 caller = getattr(self._pm.hook, name)
+            assert isinstance(caller, pluggy.HookCaller)  # every loopstack hook is specified in hookspecs
             self._callers[name] = caller
         return caller
 
@@ -71,6 +71,10 @@ class HookFacade:
     # api
     def client_transport(self, ctx: RequestContext) -> Any | None:
         return self.caller("loopstack_client_transport")(ctx=ctx)
+
+    def prompt_ids(self, prompt: PromptRequest, ctx: RequestContext) -> PromptIds | None:
+        result: PromptIds | None = self.caller("loopstack_prompt_ids")(prompt=prompt, ctx=ctx)
+        return result
 
     def response_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_response_middleware")(runtime=runtime) if m is not None]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
     from loopstack.context import RequestContext
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
-    from loopstack.types import MiddlewareFactory, StreamedToolCall, WorkloadInfo
+    from loopstack.types import MiddlewareFactory, PromptIds, PromptRequest, StreamedToolCall, WorkloadInfo
 
 
 PROJECT_NAME = "loopstack"
@@ -147,6 +147,24 @@ def loopstack_client_transport(ctx: RequestContext) -> Any | None:
     example a WebSocket with deltas): a :class:`loopstack.harness.clients.base.ClientTransport`
     (``create(request, ctx, *, endpoint, fallback, on_text_delta)`` and ``aclose()``).
     Stops at first non-None result; the default is the client's own way (HTTP)."""
+
+
+@hookspec(firstresult=True)
+def loopstack_prompt_ids(prompt: PromptRequest, ctx: RequestContext) -> PromptIds | None:
+    """Return the prompt token ids of a Responses request the server is preparing, or ``None``.
+
+    Called by the API server once per Responses request (HTTP, SSE, WebSocket, the embedded
+    client), after the request is validated and before the conversation is rendered.
+    ``prompt`` has the request, its ``tenant``, the engine's ``tokenizer``, the connection's
+    ``store: false`` responses (``local``; None over HTTP) and two readers of the chain:
+    ``history()`` (its items; raises the API's ``previous_response_not_found`` error) and
+    ``all_stored(ids)``. The ids must equal, token for token, those of rendering the whole
+    conversation (``ws_deltas`` appends a chain's new items to its cached token ids). Raise
+    :class:`loopstack.api.errors.APIError` for a request the server would refuse. The answer
+    stays on the prepared request (``job.prepared.prompt``) for the plugin's own response
+    middleware. Stops at first non-None result; the default (no answer) renders the whole
+    conversation and tokenizes it.
+    """
 
 
 @hookspec

@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from loopstack.catalog import PluginCatalog
 from loopstack.context import RequestContext, Session
 from loopstack.metrics import MetricsRegistry
-from loopstack.catalog import PluginCatalog
 from loopstack.runtime import StackRuntime
-from loopstack.stack.loader import StackLoader
 from loopstack.stack.errors import StackError, StackIssue
+from loopstack.stack.loader import StackLoader
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import pluggy
 
+from loopstack.catalog import PluginCatalog, new_pluggy_manager
 from loopstack.context import RequestContext, Session
 from loopstack.experiments import DEFAULT_ARM, OFF, UnitKeys, resolve_arms
 from loopstack.hooks import MIDDLEWARE_HOOKS, HookFacade
 from loopstack.metrics import MetricsRegistry
 from loopstack.middleware import MiddlewareStack
 from loopstack.plugin import Plugin
-from loopstack.catalog import PluginCatalog, new_pluggy_manager
 from loopstack.stack.schema import ResolvedStack
 
 

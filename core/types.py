@@ -18,7 +18,7 @@ A middleware factory takes the next handler of its chain and returns a handler t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -30,6 +30,8 @@ __all__ = [
     "Handler",
     "MiddlewareFactory",
     "ModelHandler",
+    "PromptIds",
+    "PromptRequest",
     "ResponseHandler",
     "StateKey",
     "StreamedToolCall",
@@ -127,3 +129,54 @@ class WorkloadInfo(Protocol):
 
     @property
     def name(self) -> str: ...
+
+
+class PromptRequest(Protocol):
+    """A Responses request the API server is preparing, as ``loopstack_prompt_ids`` sees it
+    (the server's is :class:`loopstack.api.service.PromptInputs`)."""
+
+    @property
+    def request(self) -> Any:
+        """The validated request (:class:`loopstack.api.schemas.ResponsesRequest`)."""
+        ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer: prompt ids must be of this tokenizer."""
+        ...
+
+    @property
+    def local(self) -> Mapping[str, Any] | None:
+        """The connection's ``store: false`` responses by id (WebSocket); None over HTTP."""
+        ...
+
+    def history(self) -> list[dict[str, Any]]:
+        """The input and output items of the chain ending at ``previous_response_id``
+        (raises the API's ``previous_response_not_found`` error)."""
+        ...
+
+    def all_stored(self, response_ids: Sequence[str]) -> bool:
+        """Whether every one of ``response_ids`` is still in the store for this tenant."""
+        ...
+
+
+class PromptIds(Protocol):
+    """A plugin's answer to ``loopstack_prompt_ids``: the prompt of one request."""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt token ids, generation prompt included."""
+        ...
+
+    @property
+    def tool_items(self) -> Sequence[Mapping[str, Any]]:
+        """The chain's ``tool_search_output`` items (the tools they loaded stay callable)."""
+        ...
+
+    @property
+    def num_tokenized(self) -> int:
+        """Tokens the plugin tokenized for this response so far (read when it ends)."""
+        ...

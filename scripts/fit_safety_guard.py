@@ -32,7 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from loopstack.bench.workload import SHARED_DATA
+from loopstack.plugins.parallel_safety.bench.dataset import (
+    BENIGN,
+    INJECTION,
+    JAILBREAK,
+    build_examples,
+)
 from loopstack.plugins.parallel_safety.classifier import (
     DEFAULT_LAYERS,
     DEFAULT_MAX_TOKENS,
@@ -42,12 +49,6 @@ from loopstack.plugins.parallel_safety.classifier import (
     HiddenStateFeatures,
     fit_logistic,
     precision_recall,
-)
-from loopstack.plugins.parallel_safety.bench.dataset import (
-    BENIGN,
-    INJECTION,
-    JAILBREAK,
-    build_examples,
 )
 
 CATEGORIES = (JAILBREAK, INJECTION)
@@ -128,14 +129,14 @@ def in_context_extractor(stack: Path, num_layers: int, max_tokens: int) -> tuple
     from loopstack import PluginCatalog, StackLoader
     from loopstack.api.auth import ANONYMOUS
     from loopstack.api.schemas import ResponsesRequest
+    from loopstack.api.server import engine_from_table
     from loopstack.api.service import ResponsesService
-    from loopstack.engine import build_engine
     from loopstack.engine.sampling_params import SamplingParams
     from loopstack.plugins.parallel_safety.fused import text_capture
     from loopstack.plugins.parallel_safety.modes import input_pieces
 
     config = StackLoader(PluginCatalog.discover(use_entry_points=False)).load(stack).engine
-    engine = build_engine(config)
+    engine = engine_from_table(config)
     print(f"engine: {config.model}, quantization {engine.quantization}, dtype {engine.model.dtype}", file=sys.stderr)
     client = SimpleNamespace(tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
     service = ResponsesService(client, None, model_name=config.model)  # type: ignore[arg-type]

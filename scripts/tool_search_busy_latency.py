@@ -21,9 +21,9 @@ from pathlib import Path
 
 from loopstack import PluginCatalog, StackLoader
 from loopstack.context import Session
-from loopstack.plugins.tool_search.catalog import CatalogIndex
 from loopstack.plugins.tool_search.bench.datasets import load_catalog, load_retrieval_set
-from loopstack.plugins.tool_search.embedder import load_embedder
+from loopstack.plugins.tool_search.catalog import CatalogIndex
+from loopstack.plugins.tool_search.retrieval.embedder import load_embedder
 from loopstack.plugins.tool_search.search import search_tools_async
 from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools
 from loopstack.plugins.tool_search.worker import SearchWorker

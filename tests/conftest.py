@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tests.support import Recorder
 
 from loopstack import PluginCatalog
 from loopstack.api.server import ServerThread, build_state, close_state
+from tests.support import Recorder
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from loopstack.api.routes.chat_completions import chat_completions
 from loopstack.api.errors import APIError
+from loopstack.api.routes.chat_completions import chat_completions
 from loopstack.api.routes.common import error_response, handles_errors, principal_of, state_of
 from loopstack.api.routes.responses import create_response, delete_response, get_response
-from loopstack.api.state import ServerState
 from loopstack.api.routes.websocket import responses_websocket
+from loopstack.api.state import ServerState
 
 
 @handles_errors

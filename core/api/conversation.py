@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.meta
 
+from loopstack.items import MESSAGE_ROLES, ConversationError, content_text, items_to_chat_messages
+
 if TYPE_CHECKING:
     from loopstack.engine.text.tokenizer import Tokenizer
 
@@ -42,10 +44,6 @@ __all__ = [
     "template_supports_tools",
 ]
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "tool_search_output")
-MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PART_TYPES = ("input_text", "output_text", "text")
-
 _HERMES_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -55,10 +53,6 @@ _HERMES_INSTRUCTION = (
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
-
-
-class ConversationError(ValueError):
-    """The input cannot become a conversation; the message names the item and what is allowed."""
 
 
 class InvalidToolError(ValueError):
@@ -135,36 +129,9 @@ def items_to_messages(instructions: str | None, items: str | Sequence[Mapping[st
         >>> items_to_messages("Be brief.", [{"role": "user", "content": "hi"}])
         [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'hi'}]
     """
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    for index, item in enumerate(items):
-        where = f"input[{index}]"
-        if not isinstance(item, Mapping):
-            raise ConversationError(f"{where}: expected an object, got {type(item).__name__}")
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in MESSAGE_ROLES:
-                raise ConversationError(f"{where}: unknown role {role!r}; allowed: {', '.join(MESSAGE_ROLES)}")
-            messages.append({"role": MESSAGE_ROLES[role], "content": _content_text(where, item.get("content"))})
-        elif kind == "function_call":
-            call = _tool_call(where, item.get("call_id"), item.get("name"), item.get("arguments", "{}"))
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if output is not None and not isinstance(output, (str, list)):
-                output = json.dumps(output, ensure_ascii=False)
-            messages.append(_tool_message(where, messages, item.get("call_id"), output))
-        elif kind == "tool_search_output":
-            messages.append(_tool_message(where, messages, item.get("call_id"), _search_output_text(where, item)))
-        else:
-            raise ConversationError(f"{where}: unknown item type {kind!r}; allowed: {', '.join(ITEM_TYPES)}")
-    return messages
+    # the one items -> chat messages converter (strict: the message names input[i]), then the
+    # chat -> template step the Chat Completions route takes too (arguments parsed, tool names)
+    return chat_messages(items_to_chat_messages(instructions, items, strict=True, loaded_tools_text=_loaded_tools_block))
 
 
 def loaded_tools(items: str | Sequence[Mapping[str, Any]]) -> list[FunctionTool]:
@@ -183,21 +150,17 @@ def loaded_tools(items: str | Sequence[Mapping[str, Any]]) -> list[FunctionTool]
     return list(found.values())
 
 
-def _search_output_text(where: str, item: Mapping[str, Any]) -> str:
-    # the search's text, then the loaded schemas as the system block writes tools (one JSON
+def _loaded_tools_block(where: str, tools: Sequence[Any]) -> str:
+    # after a search's text, the loaded schemas as the system block writes tools (one JSON
     # line each), so the model reads them the way it reads the up-front tools
-    output = item.get("output")
-    if output is None:
-        raise ConversationError(f"{where}: a tool_search_output needs 'output'")
-    text = _content_text(where, output if isinstance(output, (str, list)) else json.dumps(output, ensure_ascii=False))
     try:
-        tools = normalize_tools(item.get("tools") or ())
+        function_tools = normalize_tools(tools)
     except InvalidToolError as exc:
         raise ConversationError(f"{where}.{exc}") from None
-    if not tools:
-        return text
-    lines = "\n".join(json.dumps(t.to_chat_dict(), ensure_ascii=False) for t in tools)
-    return f"{text}\n<tools>\n{lines}\n</tools>"
+    if not function_tools:
+        return ""
+    lines = "\n".join(json.dumps(t.to_chat_dict(), ensure_ascii=False) for t in function_tools)
+    return f"\n<tools>\n{lines}\n</tools>"
 
 
 def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -230,20 +193,7 @@ def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 
 def _content_text(where: str, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ConversationError(f"{where}: content must be a string or a list of text parts")
-    texts: list[str] = []
-    for part_index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ConversationError(
-                f"{where}.content[{part_index}]: part type {kind!r} is not supported "
-                f"(this model reads text only); allowed: {', '.join(TEXT_PART_TYPES)} with a string 'text'"
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+    return content_text(content, strict=True, where=where)
 
 
 def _tool_call(where: str, call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:

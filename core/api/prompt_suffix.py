@@ -26,7 +26,7 @@ __all__ = ["PromptSuffix", "SuffixRenderer"]
 
 Message = Mapping[str, Any]
 
-_PROBE_TOOL = {"type": "function", "name": "probe_lookup", "description": "Look a word up.",
+_PROBE_TOOL: dict[str, Any] = {"type": "function", "name": "probe_lookup", "description": "Look a word up.",
                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
 _PROBE_ITEMS = [
     {"type": "message", "role": "user", "content": "Look up 'delta' and 'chain'."},

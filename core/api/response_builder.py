@@ -125,8 +125,22 @@ class ResponseBuilder:
         item["status"] = "incomplete"
         return [self._event("response.output_item.done", output_index=self.output.index(item), item=dict(item))]
 
+    def apply(self, kind: str, value: Any) -> list[dict[str, Any]]:
+        """The events of one :class:`~loopstack.api.tool_calls.parser.ToolCallStreamParser` output
+        (``text``, ``call_begin``, ``call_arguments``, ``call_abandon`` or ``call``)."""
+        if kind == "text":
+            return self.text(value)
+        if kind == "call_begin":
+            return self.function_call_begin(value)
+        if kind == "call_arguments":
+            return self.function_call_arguments(value)
+        if kind == "call_abandon":
+            return self.function_call_abandon()
+        return self.function_call(value.name, value.arguments)
+
     def function_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
         """A complete call: closes the open one (its ``.done`` events), or adds it whole."""
+        item: dict[str, Any] | None
         if self._call is not None:
             item, self._call = self._call, None
             index = self.output.index(item)

@@ -1,8 +1,9 @@
 """Run the API server: ``loopstack serve --stack FILE [--host H] [--port P]``.
 
-``build_state`` wires a stack to its engine, store and keys; ``ServerThread`` runs
-uvicorn on a background thread (tests, the demo, embedding); ``serve`` runs it in the
-foreground until Ctrl-C, reloading the stack on SIGHUP.
+``build_state`` wires a stack to its engine, store and keys (``state_for`` does it for a live
+stack the caller already holds); ``ServerThread`` runs uvicorn on a background thread (tests,
+the demo, embedding); ``serve`` runs it in the foreground until Ctrl-C, reloading the stack
+on SIGHUP.
 """
 
 from __future__ import annotations
@@ -12,39 +13,68 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from loopstack.live import LiveStack
-from loopstack.catalog import PluginCatalog
 from loopstack.api.app import create_app
 from loopstack.api.auth import KeyRing, check_bind
 from loopstack.api.state import ServerState
 from loopstack.api.store import ResponseStore
+from loopstack.catalog import PluginCatalog
+from loopstack.live import LiveStack
+
+if TYPE_CHECKING:
+    from loopstack.engine import LLMEngine
+    from loopstack.stack.schema import EngineTable
+
+
+def engine_from_table(table: EngineTable) -> LLMEngine:
+    """Build the embedded engine a stack's ``[engine]`` table describes: the one place that
+    turns the table into the engine's own arguments. (``replicas`` and ``remote`` are not
+    served yet: this is one local engine.)"""
+    from loopstack.engine import EngineOptions, build_engine
+
+    options = EngineOptions(
+        block_size=table.block_size,
+        num_kv_blocks=table.num_kv_blocks,
+        max_num_seqs=table.max_num_seqs,
+        max_num_batched_tokens=table.max_num_batched_tokens,
+        max_model_len=table.max_model_len,
+    )
+    return build_engine(table.model, options, device=table.device, dtype=table.dtype,
+                        quantization=table.quantization, num_threads=table.threads,
+                        native_decode=table.native_decode)
 
 
 def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, engine: Any = None,
                 store_path: str | Path | None = None) -> ServerState:
     """Load the stack, start its engine (unless one is given), open the store."""
-    live = LiveStack(catalog or PluginCatalog.discover(), stack_ref)
+    return state_for(LiveStack(catalog or PluginCatalog.discover(), stack_ref), engine=engine, store_path=store_path)
+
+
+def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | None = None) -> ServerState:
+    """Serve the stack ``live`` holds: start its engine (unless one is given), open the store."""
     stack = live.current.stack
     if engine is None:
-        from loopstack.engine import AsyncEngine, build_engine
+        from loopstack.engine import AsyncEngine
 
-        engine = AsyncEngine(build_engine(stack.engine))
+        engine = AsyncEngine(engine_from_table(stack.engine))
     keyring = KeyRing.from_config(stack.api, environ=os.environ)
     store = ResponseStore(store_path or stack.api.store_path, ttl_s=stack.api.response_ttl_s)
     return ServerState(live=live, engine=engine, store=store, keyring=keyring, model_name=stack.engine.model,
                        max_body_bytes=stack.api.max_body_bytes)
 
 
-def close_state(state: ServerState) -> None:
+def close_state(state: ServerState, *, close_live: bool = True) -> None:
+    """Stop the engine, close the store and (unless ``close_live`` is False: the caller
+    holds the live stack, as the harness does) retire the stack."""
     shutdown = getattr(state.engine, "shutdown", None)
     if shutdown is not None:
         shutdown()
     state.store.close()
-    state.live.close()
+    if close_live:
+        state.live.close()
 
 
 class ServerThread:

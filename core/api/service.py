@@ -1,24 +1,23 @@
-"""The Responses API logic shared by HTTP, SSE and WebSocket: history, prompt, engine, store.
+"""The Responses API logic shared by every route: history, prompt, engine, store.
 
 ``prepare`` turns a request into a prompt and sampling settings (every client error is
-raised here, before the engine sees anything); ``run`` streams the engine's output as
-Responses events and stores the result.
+raised here, before the engine sees anything; a plugin may supply the prompt ids through
+``loopstack_prompt_ids``); ``run`` streams the engine's output as Responses events;
+``remember`` stores a finished response. :func:`loopstack.api.pipeline.respond` runs the
+three in a request context, with the stack's response middlewares around ``run``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncGenerator, Mapping, MutableMapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from loopstack.engine import InvalidGrammarError, PromptTooLongError, SamplingParams
-from loopstack.engine.sampling_params import HiddenCapture
-from loopstack.engine.sequence import FinishReason
 from loopstack.api.auth import Principal, tenant_salt
 from loopstack.api.conversation import (
     ConversationError,
@@ -28,79 +27,21 @@ from loopstack.api.conversation import (
     render_prompt,
 )
 from loopstack.api.errors import APIError
+from loopstack.api.generation import EngineClient, generation_inputs
 from loopstack.api.ids import new_id
 from loopstack.api.response_builder import ResponseBuilder, usage_of
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.store import ResponseStore, StoredResponse, StoreError
-from loopstack.api.tool_calls.parser import (
-    TextFormatError,
-    ToolCallStreamParser,
-    ToolChoiceError,
-    response_grammar,
-)
+from loopstack.api.tool_calls.parser import ToolCallStreamParser
+from loopstack.engine import InvalidGrammarError, PromptTooLongError
+from loopstack.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
+    from loopstack.context import RequestContext
+    from loopstack.engine import SamplingParams
+    from loopstack.engine.capture import HiddenCapture
     from loopstack.engine.config import ModelConfig
-    from loopstack.plugins.ws_deltas.chain_prompt import ChainPrompts
-
-DEFAULT_MAX_OUTPUT_TOKENS = 1024
-
-
-class EngineClient(Protocol):
-    """What the API needs from inference: the embedded AsyncEngine, or later the router.
-
-    An engine that can capture hidden states (the embedded one) also has
-    ``supports_hidden_capture = True``, a ``model_config`` and a ``capture=`` keyword on
-    ``stream`` (see :meth:`ResponsesService.request_hidden_state`).
-    """
-
-    tokenizer: Any
-    max_model_len: int
-
-    def stream(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-               salt: str = "") -> AsyncIterator[Any]: ...
-
-
-def generation_inputs(
-    engine: EngineClient,
-    prompt: str | list[int],
-    tools: list[Any],
-    *,
-    tool_choice: Any,
-    parallel_tool_calls: bool,
-    text_format: dict[str, Any] | None,
-    format_param: str,
-    input_param: str,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
-    stop: tuple[str, ...] = (),
-) -> tuple[list[int], SamplingParams]:
-    """Prompt ids and sampling settings shared by both APIs; raises APIError naming the field.
-
-    ``prompt`` is the rendered text, or its token ids when the caller has them already.
-    """
-    try:
-        grammar = response_grammar(tools, tool_choice, parallel_tool_calls, text_format)
-    except ToolChoiceError as exc:
-        raise APIError(str(exc), param="tool_choice", code="invalid_value") from None
-    except TextFormatError as exc:
-        raise APIError(str(exc), param=format_param, code="invalid_value") from None
-    prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    room = engine.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise APIError(f"The {input_param} is {len(prompt_ids)} tokens; this model's context window is "
-                       f"{engine.max_model_len} tokens.", param=input_param, code="context_length_exceeded")
-    params = SamplingParams(
-        max_tokens=min(max_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        seed=seed,
-        stop=stop,
-        grammar=grammar,
-    )
-    return prompt_ids, params
+    from loopstack.types import PromptIds
 
 
 @dataclass(frozen=True)
@@ -118,6 +59,10 @@ class HiddenStateRequest:
 
 @dataclass
 class Prepared:
+    """A validated request, ready for the engine: what the response chain's handlers get as
+    ``job.prepared``. ``prompt`` is the ``loopstack_prompt_ids`` answer that supplied the
+    prompt ids (None: the conversation was rendered whole)."""
+
     request: ResponsesRequest
     principal: Principal
     response_id: str
@@ -126,6 +71,34 @@ class Prepared:
     params: SamplingParams
     tool_names: set[str]
     hidden_request: HiddenStateRequest | None = None  # see ResponsesService.request_hidden_state
+    prompt: PromptIds | None = None
+
+
+class PromptInputs:
+    """A request being prepared, as ``loopstack_prompt_ids`` sees it (the
+    :class:`loopstack.types.PromptRequest` the server passes): the request, its tenant, the
+    engine's tokenizer, the connection's ``store: false`` responses, and readers of its chain."""
+
+    def __init__(self, service: ResponsesService, request: ResponsesRequest, principal: Principal,
+                 local: Mapping[str, StoredResponse] | None) -> None:
+        self.request = request
+        self.tenant = principal.tenant
+        self.tokenizer = service.engine.tokenizer
+        self.local = local
+        self._principal = principal
+        self._service = service
+
+    def history(self) -> list[dict[str, Any]]:
+        """Input and output items of the chain ending at ``previous_response_id``.
+
+        Raises:
+            APIError: ``previous_response_not_found``.
+        """
+        return self._service.history(self.request, self._principal, self.local)
+
+    def all_stored(self, response_ids: Sequence[str]) -> bool:
+        """Whether every one of ``response_ids`` is in the store, visible to this tenant."""
+        return self._service.store.all_present(list(response_ids), tenant=self.tenant)
 
 
 class ResponsesService:
@@ -137,7 +110,7 @@ class ResponsesService:
     # -- prepare: everything that can be the client's fault -----------------------------------
 
     def history(self, request: ResponsesRequest, principal: Principal,
-                local: MutableMapping[str, StoredResponse] | None = None) -> list[dict[str, Any]]:
+                local: Mapping[str, StoredResponse] | None = None) -> list[dict[str, Any]]:
         """Input and output items of the chain ending at ``previous_response_id``."""
         if not request.previous_response_id:
             return []
@@ -160,15 +133,23 @@ class ResponsesService:
             items.extend(record.output_items)
         return items
 
-    def prepare(self, request: ResponsesRequest, principal: Principal,
-                local: MutableMapping[str, StoredResponse] | None = None, *,
-                prompts: ChainPrompts | None = None) -> Prepared:
-        """Validate ``request`` and make its prompt ids; ``prompts`` (the chain token state, when a
-        plugin keeps one) may supply them from a cached chain instead of rendering the history."""
+    def prepare(self, request: ResponsesRequest, principal: Principal, *, ctx: RequestContext | None = None,
+                local: Mapping[str, StoredResponse] | None = None, response_id: str | None = None) -> Prepared:
+        """Validate ``request`` and make its prompt ids and sampling settings.
+
+        Args:
+            ctx: the request's context: its plugins may supply the prompt ids
+                (``loopstack_prompt_ids``); without one the conversation is rendered whole.
+            local: the connection's ``store: false`` responses (WebSocket), for the chain.
+            response_id: the id the response gets (default: a new one).
+
+        Raises:
+            APIError: the request is the client's fault (the error names the field).
+        """
         new_items = request.input_items()
-        chained = prompts.prompt_ids(self, request, principal, local) if prompts is not None else None
+        chained = ctx.hooks.prompt_ids(PromptInputs(self, request, principal, local), ctx) if ctx is not None else None
         # chained: the conversation is not rendered again; items keeps what loaded tools
-        items = self.history(request, principal, local) + new_items if chained is None else chained.tool_items
+        items = self.history(request, principal, local) + new_items if chained is None else list(chained.tool_items)
         try:
             tools = normalize_tools(request.tools)
             # tools a tool search loaded are callable (grammar, parser) but not rendered up front
@@ -187,17 +168,15 @@ class ResponsesService:
             input_param="input", max_tokens=request.max_output_tokens, temperature=request.temperature,
             top_p=request.top_p, seed=request.seed,
         )
-        return Prepared(request, principal, new_id("resp"), new_items, prompt_ids, params,
-                        {t.name for t in callable_tools})
+        return Prepared(request, principal, response_id or new_id("resp"), new_items, prompt_ids, params,
+                        {t.name for t in callable_tools}, prompt=chained)
 
     # -- the hidden-state seam: a response middleware reads the prefill's hidden states -----
 
     def hidden_state_model(self) -> ModelConfig | None:
         """The config of the model a capture's vector comes from; None when the engine cannot
         capture (a remote or scripted engine): callers then do without."""
-        if not getattr(self.engine, "supports_hidden_capture", False):
-            return None
-        return getattr(self.engine, "model_config", None)
+        return self.engine.hidden_state_model
 
     def request_hidden_state(self, prepared: Prepared, capture: HiddenCapture) -> asyncio.Future[Any]:
         """Ask :meth:`run` for the mean hidden state over prompt spans (see :class:`HiddenCapture`).
@@ -241,8 +220,9 @@ class ResponsesService:
 
     # -- run: stream the engine, emit events, store -------------------------------------------
 
-    async def run(self, prepared: Prepared,
-                  local: MutableMapping[str, StoredResponse] | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def run(self, prepared: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+        """The engine's output for ``prepared`` as Responses events, ``response.created`` to a
+        terminal event (a refused or failed generation ends in ``response.failed``)."""
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
             yield event
@@ -252,14 +232,14 @@ class ResponsesService:
         try:
             stream = self.engine.stream(prepared.prompt_ids, prepared.params, request_id=prepared.response_id,
                                         salt=tenant_salt(prepared.principal),
-                                        **({"capture": hidden.capture} if hidden is not None else {}))
+                                        capture=hidden.capture if hidden is not None else None)
             async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
                 async for output in outputs:
                     last = output
                     if hidden is not None and output.hidden_state is not None and not hidden.result.done():
                         hidden.result.set_result(output.hidden_state)  # before this step's text goes out
                     for kind, value in parser.feed(output.new_text):
-                        for event in self._apply(builder, kind, value):
+                        for event in builder.apply(kind, value):
                             yield event
         except (PromptTooLongError, InvalidGrammarError, ValueError) as exc:
             events, _ = builder.fail(str(exc), code="invalid_request")
@@ -270,7 +250,7 @@ class ResponsesService:
             if hidden is not None and not hidden.result.done():
                 hidden.result.set_result(None)
         for kind, value in parser.close():
-            for event in self._apply(builder, kind, value):
+            for event in builder.apply(kind, value):
                 yield event
         if last is None or last.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
             message = (last.error if last is not None else None) or "generation failed"
@@ -280,23 +260,13 @@ class ResponsesService:
             return
         usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens)
         events, _ = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
-        for event in events:  # stored by run_response, once every middleware has let it through
+        for event in events:  # stored by the pipeline, once every middleware has let it through
             yield event
 
-    @staticmethod
-    def _apply(builder: ResponseBuilder, kind: str, value: Any) -> list[dict[str, Any]]:
-        if kind == "text":
-            return builder.text(value)
-        if kind == "call_begin":
-            return builder.function_call_begin(value)
-        if kind == "call_arguments":
-            return builder.function_call_arguments(value)
-        if kind == "call_abandon":
-            return builder.function_call_abandon()
-        return builder.function_call(value.name, value.arguments)
-
     async def remember(self, prepared: Prepared, response: dict[str, Any],
-                  local: MutableMapping[str, StoredResponse] | None) -> None:
+                       local: MutableMapping[str, StoredResponse] | None = None) -> None:
+        """Keep a finished ``response``: in the store (``store: true``), else in ``local`` (the
+        connection's own responses) when there is one."""
         record = StoredResponse(
             id=prepared.response_id,
             tenant=prepared.principal.tenant,
@@ -307,7 +277,6 @@ class ResponsesService:
             output_items=response["output"],
             request=prepared.request.non_input_fields(),
             response=response,
-            prompt_token_ids=None,
         )
         if prepared.request.store:
             await anyio.to_thread.run_sync(self.store.put, record)  # a durable write: off the loop

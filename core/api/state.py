@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loopstack.live import LiveStack
 from loopstack.api.auth import KeyRing
-from loopstack.api.service import EngineClient, ResponsesService
+from loopstack.api.generation import EngineClient
+from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
+from loopstack.live import LiveStack
 
 
 @dataclass

@@ -8,16 +8,17 @@ survive a killed process but could drop the last commits on power loss.
 
 Rows are visible only to their own tenant and only until they expire; a row that is missing, expired
 or owned by another tenant reads the same (``None`` / `ResponseNotFoundError`), never saying which.
+
+Schema versions: 1 had a ``prompt_token_ids`` column that nothing wrote; opening a version-1 file
+drops it (SQLite 3.35+; an older SQLite leaves the unused column in place) and marks the file 2.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,8 +30,7 @@ __all__ = [
     "SchemaVersionError", "StoreError", "StoreStatistics", "StoredResponse",
 ]  # fmt: skip
 
-SCHEMA_VERSION = 1
-_INT32 = "i" if array("i").itemsize == 4 else "l"
+SCHEMA_VERSION = 2
 
 _SCHEMA = (
     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -43,23 +43,18 @@ _SCHEMA = (
     input_items TEXT NOT NULL,
     output_items TEXT NOT NULL,
     request TEXT NOT NULL,
-    response TEXT NOT NULL,
-    prompt_token_ids BLOB  -- little-endian int32, 4 bytes a token
+    response TEXT NOT NULL
 )""",
     "CREATE INDEX responses_by_created_at ON responses (created_at)",
 )
-_COLUMNS = (
-    "id, tenant, created_at, model, previous_response_id, input_items, output_items, request, response, "
-    "prompt_token_ids"
-)
+_COLUMNS = "id, tenant, created_at, model, previous_response_id, input_items, output_items, request, response"
 # A put never takes over another tenant's id: the update only applies when the tenant matches.
 _UPSERT = f"""
-INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+INSERT INTO responses ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (id) DO UPDATE SET
     created_at = excluded.created_at, model = excluded.model,
     previous_response_id = excluded.previous_response_id, input_items = excluded.input_items,
-    output_items = excluded.output_items, request = excluded.request, response = excluded.response,
-    prompt_token_ids = excluded.prompt_token_ids
+    output_items = excluded.output_items, request = excluded.request, response = excluded.response
 WHERE responses.tenant = excluded.tenant
 """
 _SELECT_VISIBLE = f"SELECT {_COLUMNS} FROM responses WHERE id = ? AND tenant = ? AND created_at > ?"
@@ -99,7 +94,7 @@ class StoredResponse:
     ``input_items`` are only the new input items of that request (earlier ones live in the responses
     that ``previous_response_id`` points at); ``request`` holds its non-input fields (instructions,
     tools, tool_choice, sampling, text format, metadata...); ``response`` is the full Responses API
-    object as returned; ``prompt_token_ids`` are the token ids of prompt + output, when kept.
+    object as returned.
     """
 
     id: str
@@ -111,7 +106,6 @@ class StoredResponse:
     output_items: list[dict[str, Any]]
     request: dict[str, Any]
     response: dict[str, Any]
-    prompt_token_ids: list[int] | None = None
 
 
 class StoreStatistics(NamedTuple):
@@ -184,8 +178,7 @@ class ResponseStore:
         """Insert ``record``, or replace the row with its id; durable once this returns.
 
         Raises:
-            StoreError: a field is not JSON-serializable, a token id is outside int32, or the id
-                already belongs to another tenant.
+            StoreError: a field is not JSON-serializable, or the id already belongs to another tenant.
         """
         row = _encode(record)
         with self._connection() as conn:
@@ -309,6 +302,8 @@ class ResponseStore:
                     for statement in _SCHEMA:
                         conn.execute(statement)
                     conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                elif version == 1:
+                    _migrate_from_1(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -330,6 +325,16 @@ class ResponseStore:
         return self._clock() - self.ttl_s
 
 
+def _migrate_from_1(conn: sqlite3.Connection) -> None:
+    """Version 1 -> 2: drop the ``prompt_token_ids`` column nothing wrote (inside the caller's
+    transaction, so two processes opening the file at once migrate it once)."""
+    try:
+        conn.execute("ALTER TABLE responses DROP COLUMN prompt_token_ids")
+    except sqlite3.OperationalError:  # SQLite before 3.35: the unused, nullable column stays
+        pass
+    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+
+
 def _read_version(conn: sqlite3.Connection, path: object) -> int | None:
     """The file's schema version; ``None`` for an empty file. Raises for foreign or newer files."""
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -339,7 +344,7 @@ def _read_version(conn: sqlite3.Connection, path: object) -> int | None:
         return None
     row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     version = int(row[0]) if row is not None and str(row[0]).isdigit() else -1
-    if version != SCHEMA_VERSION:
+    if version not in (1, SCHEMA_VERSION):
         raise SchemaVersionError(
             f"response store {str(path)!r} has schema version {row[0] if row else 'none'}; this loopstack "
             f"reads version {SCHEMA_VERSION}: upgrade loopstack or point [api] store_path at another file"
@@ -354,40 +359,17 @@ def _dumps(value: object, field: str) -> str:
         raise StoreError(f"field {field!r} is not JSON-serializable: {error}") from error
 
 
-def _pack_token_ids(token_ids: list[int] | None) -> bytes | None:
-    if token_ids is None:
-        return None
-    try:
-        packed = array(_INT32, token_ids)
-    except (OverflowError, TypeError) as error:
-        raise StoreError(f"prompt_token_ids must be int32 token ids: {error}") from error
-    if sys.byteorder == "big":  # the blob is little-endian on every host
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _unpack_token_ids(blob: bytes | None) -> list[int] | None:
-    if blob is None:
-        return None
-    packed = array(_INT32, blob)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tolist()
-
-
 def _encode(record: StoredResponse) -> tuple[object, ...]:
     json_columns = ("input_items", "output_items", "request", "response")
     return (
         *(record.id, record.tenant, float(record.created_at), record.model, record.previous_response_id),
         *(_dumps(getattr(record, name), name) for name in json_columns),
-        _pack_token_ids(record.prompt_token_ids),
     )
 
 
 def _decode(row: tuple[Any, ...]) -> StoredResponse:
-    id_, tenant, created_at, model, previous_response_id, *json_texts, blob = row
+    id_, tenant, created_at, model, previous_response_id, *json_texts = row
     input_items, output_items, request, response = (json.loads(text) for text in json_texts)
     return StoredResponse(
         id_, tenant, created_at, model, previous_response_id, input_items, output_items, request, response,
-        _unpack_token_ids(blob),
     )  # fmt: skip

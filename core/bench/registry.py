@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import cast
 
-from loopstack.catalog import PluginCatalog
 from loopstack.bench.workload import Workload
+from loopstack.catalog import PluginCatalog
 
 
 def workloads(catalog: PluginCatalog) -> dict[str, Workload]:

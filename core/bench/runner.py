@@ -11,8 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loopstack.stack.schema import ResolvedStack
 from loopstack.bench.workload import BenchOptions, Workload
+from loopstack.stack.schema import ResolvedStack
 
 
 @dataclass

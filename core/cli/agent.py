@@ -22,12 +22,13 @@ import sys
 from contextlib import AsyncExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 import anyio.to_thread
 
-from loopstack.harness.tools.approval import ToolCallRequest
+from loopstack.catalog import PluginCatalog
+from loopstack.harness.clients.base import ModelClientError
 from loopstack.harness.events import (
     AgentEvent,
     Compacted,
@@ -36,11 +37,13 @@ from loopstack.harness.events import (
     ToolCalled,
     TurnLimitReached,
 )
-from loopstack.harness.clients.base import ModelClientError
-from loopstack.catalog import PluginCatalog
-from loopstack.runtime import StackRuntime
-from loopstack.stack.loader import StackLoader
+from loopstack.harness.tools.approval import ToolCallRequest
+from loopstack.live import LiveStack
 from loopstack.stack.errors import StackError
+
+if TYPE_CHECKING:
+    from loopstack.harness.clients.embedded import EmbeddedClient
+    from loopstack.harness.clients.http import ResponsesHTTPClient
 
 
 class TerminalApprover:
@@ -85,7 +88,7 @@ def _print_event(event: AgentEvent, out: TextIO, *, as_json: bool, streamed: boo
         print(f"\n  [stopped: the turn limit ({event.max_turns}) was reached]", file=out, flush=True)
 
 
-def _model_client(args: argparse.Namespace, stack_ref: str) -> Any:
+def _model_client(args: argparse.Namespace, live: LiveStack) -> Any:
     api_key = args.api_key or os.environ.get("LOOPSTACK_API_KEY")
     if args.url and args.chat_url:
         sys.exit("loopstack: give --url or --chat-url, not both")
@@ -98,24 +101,26 @@ def _model_client(args: argparse.Namespace, stack_ref: str) -> Any:
 
         return ResponsesWebSocketClient(args.url, api_key)
     if args.url:
-        from loopstack.harness.clients.base import ResponsesHTTPClient
+        from loopstack.harness.clients.http import ResponsesHTTPClient
 
         return ResponsesHTTPClient(args.url, api_key)
     from loopstack.harness.clients.embedded import EmbeddedClient
 
-    return EmbeddedClient.from_stack(stack_ref)
+    return EmbeddedClient.from_live(live)  # the harness's own stack: built once
 
 
-async def _run(args: argparse.Namespace, runtime: StackRuntime, out: TextIO) -> int:
+async def _run(args: argparse.Namespace, live: LiveStack, out: TextIO) -> int:
     from loopstack.harness.agent import Agent
     from loopstack.harness.tools.mcp import MCPServer
     from loopstack.harness.tools.shell import ShellTool
 
+    runtime = live.current
     harness = runtime.stack.harness
     if args.approval:
         harness = harness.model_copy(update={"approval": args.approval})
     async with AsyncExitStack() as stack:
-        client = _model_client(args, args.stack)
+        stack.callback(live.close)  # last: after the client and the MCP servers
+        client = _model_client(args, live)
         stack.push_async_callback(client.aclose)
         tools: list[Any] = []
         if not args.no_shell:
@@ -140,24 +145,24 @@ async def _run(args: argparse.Namespace, runtime: StackRuntime, out: TextIO) -> 
     return 0
 
 
-def _runtime(stack_ref: str) -> StackRuntime:
-    catalog = PluginCatalog.discover()
+def _live(stack_ref: str) -> LiveStack:
+    """The stack the harness and, for the embedded engine, the API layer share."""
     try:
-        return StackRuntime(StackLoader(catalog).load(stack_ref), catalog)
+        return LiveStack(PluginCatalog.discover(), stack_ref)
     except StackError as exc:
         sys.exit(f"loopstack: {exc}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    runtime = _runtime(args.stack)
+    live = _live(args.stack)
     try:
-        return anyio.run(_run, args, runtime, sys.stdout)
+        return anyio.run(_run, args, live, sys.stdout)
     except KeyboardInterrupt:
         print("\nloopstack: interrupted", file=sys.stderr)
         return 130
 
 
-async def _replay(args: argparse.Namespace, runtime: StackRuntime) -> int:
+async def _replay(args: argparse.Namespace, live: LiveStack) -> int:
     from loopstack.harness.clients.replay import replay
     from loopstack.harness.trajectory import TrajectoryError, load_trajectory
 
@@ -165,20 +170,21 @@ async def _replay(args: argparse.Namespace, runtime: StackRuntime) -> int:
         trajectory = load_trajectory(args.trajectory)
     except TrajectoryError as exc:
         sys.exit(f"loopstack: {exc}")
-    forward = None
+    forward: ResponsesHTTPClient | EmbeddedClient | None = None
     if args.through_url:
-        from loopstack.harness.clients.base import ResponsesHTTPClient
+        from loopstack.harness.clients.http import ResponsesHTTPClient
 
         forward = ResponsesHTTPClient(args.through_url)
     elif args.through_engine:
         from loopstack.harness.clients.embedded import EmbeddedClient
 
-        forward = EmbeddedClient.from_stack(args.stack)
+        forward = EmbeddedClient.from_live(live)
     try:
-        report = await replay(trajectory, runtime=runtime, forward=forward, max_turns=args.max_turns)
+        report = await replay(trajectory, runtime=live.current, forward=forward, max_turns=args.max_turns)
     finally:
         if forward is not None:
             await forward.aclose()
+        live.close()
     if args.json:
         print(json.dumps({"trajectory": trajectory.id, "turns": [asdict(r) for r in report.rows],
                           "calls_match": report.calls_match, "sizes_match": report.sizes_match,
@@ -197,7 +203,7 @@ async def _replay(args: argparse.Namespace, runtime: StackRuntime) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    return anyio.run(_replay, args, _runtime(args.stack))
+    return anyio.run(_replay, args, _live(args.stack))
 
 
 def add_parsers(sub: Any) -> None:

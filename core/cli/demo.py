@@ -14,8 +14,8 @@ from loopstack.bench.registry import workloads
 from loopstack.bench.report import format_table
 from loopstack.bench.runner import run_bench
 from loopstack.bench.workload import BenchOptions
-from loopstack.cli.demo_agent import run_agent_demo
 from loopstack.catalog import PluginCatalog
+from loopstack.cli.demo_agent import run_agent_demo
 from loopstack.stack.loader import StackLoader
 
 

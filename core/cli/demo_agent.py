@@ -22,14 +22,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
 from loopstack.harness.agent import Agent
+from loopstack.harness.clients.http import ResponsesHTTPClient
 from loopstack.harness.events import AgentEvent, Compacted, FinalAnswer, ModelCalled, ToolCalled
 from loopstack.harness.tools.mcp import MCPServer
-from loopstack.harness.clients.base import ResponsesHTTPClient
-from loopstack.harness.tools.tool import python_tool
+from loopstack.harness.tools.tool import Tool, python_tool
+
+if TYPE_CHECKING:
+    from loopstack.runtime import StackRuntime
 
 NOTES_SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp_notes_server.py"
 TASKS = (
@@ -85,16 +89,16 @@ def _describe(event: AgentEvent) -> str | None:
     return None
 
 
-async def _session(base_url: str, say: Callable[[str], None]) -> _Totals:
+async def _session(base_url: str, say: Callable[[str], None], runtime: StackRuntime) -> _Totals:
     totals = _Totals()
     started = time.perf_counter()
     async with MCPServer.stdio(sys.executable, [str(NOTES_SERVER)], name="notes") as notes, \
             ResponsesHTTPClient(f"{base_url}/v1") as client:
-        tools = [get_weather, *await notes.list_tools()]
+        tools: list[Tool] = [get_weather, *await notes.list_tools()]
         totals.mcp_start_seconds = time.perf_counter() - started
         say(f"  tools: {', '.join(t.info.name for t in tools)} (get_weather: Python; the rest: MCP over stdio)")
         agent = Agent(client, tools, instructions="You are a helpful assistant. Use the tools.", max_turns=3,
-                      max_output_tokens=64, context_window=8192)
+                      max_output_tokens=64, context_window=8192, runtime=runtime)  # the server's stack: built once
         for task, first_tool in TASKS:
             say(f"\n  task: {task!r}  (first call forced: tool_choice={first_tool})")
             agent.tool_choice_first = {"type": "function", "name": first_tool}
@@ -109,19 +113,22 @@ async def _session(base_url: str, say: Callable[[str], None]) -> _Totals:
 def run_agent_demo(say: Callable[[str], None], stack_ref: str = "baseline") -> int:
     """Serve ``stack_ref``, run the session, print the per-layer report; 0 when it worked."""
     from loopstack.api.server import ServerThread, build_state, close_state
+    from loopstack.engine import AsyncEngine
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         state = build_state(stack_ref, store_path=f"{folder}/responses.sqlite3")
         say(f"  engine: {state.model_name} loaded in {time.perf_counter() - started:.1f} s")
+        engine = state.engine
+        assert isinstance(engine, AsyncEngine)  # build_state serves the embedded engine
         server = ServerThread(state).start()
         try:
             say(f"  API server: {server.url} (Responses API over HTTP/SSE and WebSocket)")
-            before = state.engine.statistics()
+            before = engine.statistics()
             session_started = time.perf_counter()
-            totals = anyio.run(_session, server.url, say)
+            totals = anyio.run(_session, server.url, say, state.live.current)
             wall = time.perf_counter() - session_started
-            after = state.engine.statistics()
+            after = engine.statistics()
         finally:
             server.stop()
             close_state(state)

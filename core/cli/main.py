@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from loopstack import __version__
-from loopstack.cli.agent import add_parsers as add_agent_parsers
 from loopstack.catalog import PluginCatalog, PluginLoadError
-from loopstack.stack.loader import StackLoader, list_stacks
+from loopstack.cli.agent import add_parsers as add_agent_parsers
 from loopstack.stack.errors import StackError
+from loopstack.stack.loader import StackLoader, list_stacks
 
 EPILOG = "Docs: docs/architecture.md, docs/stacks.md, docs/writing-plugins.md, docs/harness.md."
 

@@ -13,13 +13,15 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import LLMEngine, RequestOutput, Usage
-from loopstack.engine.sampling_params import HiddenCapture, SamplingParams
+from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
@@ -66,12 +68,10 @@ class _Waiter:
 class AsyncEngine:
     """Serves any number of concurrent tasks from one :class:`LLMEngine` thread."""
 
-    supports_hidden_capture = True  # stream(..., capture=HiddenCapture(...)) works here
-
     def __init__(self, engine: LLMEngine, *, name: str = "loopstack-engine") -> None:
         self.engine = engine
         self._cond = threading.Condition()
-        self._pending: list[tuple[str, Any]] = []  # ("add", Sequence) | ("abort", request_id)
+        self._pending: list[tuple[str, Any]] = []  # ("add", Sequence) | ("abort", request_id) | ("call", ...)
         self._waiters: dict[str, _Waiter] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -88,8 +88,9 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def model_config(self) -> ModelConfig:
-        """The served model's shape: what a hidden-state capture's vector belongs to."""
+    def hidden_state_model(self) -> ModelConfig:
+        """The served model's shape: what a hidden-state capture's vector belongs to (this
+        engine always captures; see :mod:`loopstack.engine.capture`)."""
         return self.engine.model.config
 
     # -- caller side ---------------------------------------------------------------------------
@@ -142,6 +143,25 @@ class AsyncEngine:
             self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture)
         )
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (benchmarks: each run starts cold); returns the number of
+        cache entries dropped. Runs on the loop thread between two steps; blocks the calling
+        thread until it is done (at most about one step).
+
+        Raises:
+            RuntimeError: the engine is shut down.
+        """
+        return self._call_in_loop(self.engine.block_manager.reset_prefix_cache)
+
+    def _call_in_loop(self, function: Callable[[], Any]) -> Any:
+        done: Future[Any] = Future()
+        with self._cond:
+            if self._stopped:  # the loop thread may be gone: nobody would run it
+                raise RuntimeError("the engine is shut down")
+            self._pending.append(("call", (function, done)))
+            self._cond.notify()
+        return done.result()
+
     def _submit(self, kind: str, item: Any) -> None:
         with self._cond:
             self._pending.append((kind, item))
@@ -182,6 +202,12 @@ class AsyncEngine:
                 seq: Sequence = item
                 if seq.request_id in self._waiters:
                     self.engine.add_sequence(seq)
+            elif kind == "call":
+                function, done = item
+                try:
+                    done.set_result(function())
+                except Exception as exc:  # the caller's error, raised in the caller's thread
+                    done.set_exception(exc)
             elif (output := self.engine.abort(item)) is not None:
                 outputs.append(output)
         return outputs

@@ -28,6 +28,7 @@ from loopstack.engine.block_types import (
     BlockExport,
     BlockManagerError,
     BlockManagerStatistics,
+    BlockPoolSnapshot,
     DuplicateSequenceError,
     OutOfBlocksError,
     SharedBlockError,
@@ -49,6 +50,7 @@ __all__ = [
     "BlockManager",
     "BlockManagerError",
     "BlockManagerStatistics",
+    "BlockPoolSnapshot",
     "DuplicateSequenceError",
     "OutOfBlocksError",
     "SharedBlockError",
@@ -297,6 +299,16 @@ class BlockManager:
             num_queried_tokens=self._num_queried_tokens,
             num_hit_tokens=self._num_hit_tokens,
             num_evictions=self._num_evictions,
+        )
+
+    def snapshot(self) -> BlockPoolSnapshot:
+        """A copy of every block's bookkeeping (O(num_blocks): for checks, not the hot path)."""
+        return BlockPoolSnapshot(
+            free_block_ids=tuple(self._free),
+            cached_block_ids=tuple(self._cached),
+            ref_counts=tuple(block.ref_count for block in self._blocks),
+            block_hashes=tuple(block.block_hash for block in self._blocks),
+            hash_to_block=dict(self._hash_to_block),
         )
 
     # -- internals ---------------------------------------------------------------------------------

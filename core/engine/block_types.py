@@ -12,6 +12,7 @@ __all__ = [
     "BlockExport",
     "BlockManagerError",
     "BlockManagerStatistics",
+    "BlockPoolSnapshot",
     "DuplicateSequenceError",
     "OutOfBlocksError",
     "SharedBlockError",
@@ -59,6 +60,17 @@ class BlockExport:
     token_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     salt: bytes
+
+
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """Every block's bookkeeping at one moment (invariant checks, debugging); a copy."""
+
+    free_block_ids: tuple[int, ...]  # in the order fresh blocks are taken
+    cached_block_ids: tuple[int, ...]  # least recently released first: the eviction order
+    ref_counts: tuple[int, ...]  # by block id
+    block_hashes: tuple[bytes | None, ...]  # by block id; set iff the block is its content's cache entry
+    hash_to_block: dict[bytes, int]  # the prefix cache's index
 
 
 class BlockManagerStatistics(NamedTuple):

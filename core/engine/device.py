@@ -1,12 +1,10 @@
-"""Device, dtype and thread selection for the embedded engine."""
+"""Device and dtype selection for the embedded engine, and what this CPU can do fast."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["configure_threads", "cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
+__all__ = ["cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,20 +59,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(
             f"unknown dtype {dtype!r}; expected 'auto' or one of {', '.join(sorted(_DTYPES))}"
         ) from None
-
-
-def configure_threads(num_threads: int | None = None) -> int:
-    """Set torch's intra-op CPU threads; ``None`` uses the CPUs this process may run on.
-
-    Returns the number of threads now in use.
-    """
-    if num_threads is None:
-        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    if torch.get_num_threads() != num_threads:
-        torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
 
 
 def cpu_has_fast_bfloat16() -> bool:

@@ -1,6 +1,11 @@
-"""Errors raised while resolving, loading and running models."""
+"""Errors raised while resolving, loading and running models, and how request errors read."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 __all__ = [
     "ChatTemplateError",
@@ -8,6 +13,7 @@ __all__ = [
     "ModelNotFoundError",
     "UnsupportedArchitectureError",
     "UnsupportedTokenizerError",
+    "describe_validation_error",
 ]
 
 
@@ -29,3 +35,13 @@ class UnsupportedTokenizerError(EngineError, ValueError):
 
 class ChatTemplateError(EngineError, ValueError):
     """The chat template is missing, or raised while rendering (``raise_exception``)."""
+
+
+def describe_validation_error(exc: ValidationError, default: str) -> str:
+    """Every problem of a pydantic error on one line: ``field: message (got value)``; a
+    problem of the whole model is named ``default``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or default}: {e['msg'].replace('Value error, ', '')}"
+        + (f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else "")
+        for e in exc.errors(include_url=False)
+    )

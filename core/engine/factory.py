@@ -1,51 +1,85 @@
-"""Build an engine from a stack's ``[engine]`` table."""
+"""Build an engine: load a model, quantize it for the device, wrap it in an LLMEngine.
+
+The arguments are the engine's own (a model name, :class:`EngineOptions`, loading choices as
+keywords, as :func:`~loopstack.engine.loaders.load_model` and
+:class:`~loopstack.engine.seams.replica_pool.ReplicaPool` take them); a stack's ``[engine]``
+table is translated into them by its caller (``loopstack.api.server.engine_from_table``).
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from loopstack.stack.schema import EngineConfig
-from loopstack.engine.seams.kv_events import KVEventBus
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine
-from loopstack.engine.loaders import load_model
+from loopstack.engine.loaders import DEFAULT_MODEL, load_model
 from loopstack.engine.model.native_decode import NativeDecoder
 from loopstack.engine.model.quant import CALIBRATION_TEXT, calibrate_head, quantize_model
+from loopstack.engine.seams.kv_events import KVEventBus
 
-__all__ = ["build_engine", "resolve_quantization"]
+__all__ = ["QUANTIZATIONS", "build_engine", "resolve_quantization"]
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 CPU_DEFAULT_QUANTIZATION = "int4"
 CPU_HEAD_QUANTIZATION = "int8_rescored"
 
 
-def resolve_quantization(config: EngineConfig, device: torch.device) -> str:
+def resolve_quantization(quantization: str, device: torch.device) -> str:
     """``auto`` is weight-only int4 on CPU (decode there is bound by weight bytes) and
-    none on GPU; explicit int8/int4 on a GPU is an error (the kernels are CPU ones)."""
-    if config.quantization == "auto":
+    none on GPU; explicit int8/int4 on a GPU is an error (the kernels are CPU ones).
+
+    Raises:
+        ValueError: an unknown ``quantization``, or int8/int4 off the CPU.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "auto":
         return CPU_DEFAULT_QUANTIZATION if device.type == "cpu" else "none"
-    if config.quantization != "none" and device.type != "cpu":
-        raise ValueError(f"engine.quantization = {config.quantization!r} uses CPU kernels; on {device} use 'none'")
-    return config.quantization
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"engine.quantization = {quantization!r} uses CPU kernels; on {device} use 'none'")
+    return quantization
 
 
-def build_engine(config: EngineConfig, *, event_bus: KVEventBus | None = None) -> LLMEngine:
-    """Load the model and tokenizer named by ``config`` and wrap them in an LLMEngine."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    model, tokenizer, _, _ = load_model(config.model, device=config.device, dtype=config.dtype)
-    quantization = resolve_quantization(config, model.device)
-    if quantization != "none":
+def build_engine(
+    model: str | os.PathLike[str] = DEFAULT_MODEL,
+    options: EngineOptions | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    quantization: str = "auto",
+    num_threads: int | None = None,
+    native_decode: bool = True,
+    event_bus: KVEventBus | None = None,
+) -> LLMEngine:
+    """Load ``model`` and its tokenizer and wrap them in an LLMEngine.
+
+    Args:
+        model: a built-in name, a ``.gguf`` file or a Hugging Face directory (see ``load_model``).
+        options: KV cache and batching settings (default :class:`EngineOptions`).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, or any torch device string.
+        dtype: ``"auto"`` or a dtype name.
+        quantization: one of :data:`QUANTIZATIONS` (see :func:`resolve_quantization`).
+        num_threads: torch CPU threads for this process; None leaves torch's setting.
+        native_decode: run decode steps' layer loop in C++ where it applies (CPU, int4).
+        event_bus: receives the engine's KV cache events.
+
+    Raises:
+        ModelNotFoundError, UnsupportedArchitectureError: from loading; ValueError: a bad
+        ``quantization`` for the device.
+    """
+    if quantization not in QUANTIZATIONS:  # before seconds of loading
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    loaded = load_model(model, device=device, dtype=dtype)
+    resolved = resolve_quantization(quantization, loaded.model.device)
+    if resolved != "none":
         # the float32 head was the largest read of a decode step; rescored int8 keeps its top logits exact
-        quantize_model(model, quantization, head=CPU_HEAD_QUANTIZATION)  # type: ignore[arg-type]
-        calibrate_head(model, tokenizer.encode(CALIBRATION_TEXT))  # the head's int8 pass: see Int8RescoredHead
-    if config.native_decode:
-        model.native_decoder = NativeDecoder.for_model(model)
-    options = EngineOptions(
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-    )
-    engine = LLMEngine(model, tokenizer, options, event_bus=event_bus)
-    engine.quantization = quantization
+        quantize_model(loaded.model, resolved, head=CPU_HEAD_QUANTIZATION)  # type: ignore[arg-type]
+        calibrate_head(loaded.model, loaded.tokenizer.encode(CALIBRATION_TEXT))  # see Int8RescoredHead
+    if native_decode:
+        loaded.model.native_decoder = NativeDecoder.for_model(loaded.model)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, options, event_bus=event_bus)
+    engine.quantization = resolved
     return engine

@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.capture import CaptureAccumulator, HiddenCapture, check_capture
 from loopstack.engine.errors import EngineError
-from loopstack.engine.text.grammar import GrammarBackend
-from loopstack.engine.seams.kv_events import KVEventBus
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token
 from loopstack.engine.sampler import sample
-from loopstack.engine.sampling_params import HiddenCapture, InvalidHiddenCaptureError, SamplingParams
+from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.scheduler import ScheduledChunk, Scheduler
+from loopstack.engine.seams.kv_events import KVEventBus
 from loopstack.engine.sequence import FinishReason, Sequence, StopChecker
+from loopstack.engine.text.grammar import GrammarBackend
 from loopstack.engine.text.tokenizer import Tokenizer
 
 __all__ = ["EngineOptions", "LLMEngine", "PromptTooLongError", "RequestOutput", "Usage"]
@@ -37,6 +38,9 @@ class PromptTooLongError(EngineError, ValueError):
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """How one engine runs a loaded model: KV cache size and batching (the model's own shape is
+    its :class:`~loopstack.engine.config.ModelConfig`; how to load it, ``build_engine``'s keywords)."""
+
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory
     max_num_seqs: int = 16
@@ -106,7 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
         self._grammar: GrammarBackend | None = None
         self._seqs: dict[str, Sequence] = {}
-        self._capturing: set[str] = set()  # request ids with an unfinished HiddenCapture
+        self._capturing: set[str] = set()  # request ids with a pending capture: the capturing forward runs
         self._eos = set(tokenizer.eos_token_ids)
         self.quantization = "none"  # set by the factory when it quantizes the model
         self.num_steps = 0
@@ -144,8 +148,9 @@ class LLMEngine:
                 "(at least one token must be left for the output)"
             )
         if capture is not None:
-            self._check_capture(capture, len(prompt_token_ids))
-        seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt, capture=capture)
+            check_capture(capture, self.model.config, len(prompt_token_ids))
+        seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt,
+                       capture=CaptureAccumulator(capture) if capture is not None else None)
         if params.grammar is not None:
             seq.grammar = self.grammar_backend.new_state(params.grammar)
         if params.seed is not None:
@@ -154,21 +159,26 @@ class LLMEngine:
         seq.stop_checker = StopChecker(decoder, params.stop)
         return seq
 
-    def _check_capture(self, capture: HiddenCapture, num_prompt_tokens: int) -> None:
-        num_layers = self.model.config.num_layers
-        if capture.num_layers > num_layers:
-            raise InvalidHiddenCaptureError(f"capture.num_layers is {capture.num_layers}; the model has {num_layers}")
-        if capture.end > num_prompt_tokens:
-            raise InvalidHiddenCaptureError(f"capture spans end at {capture.end}, past the prompt's "
-                                            f"{num_prompt_tokens} tokens")
-
     def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from :meth:`make_sequence` (engine thread only)."""
+        self._register(seq)
+        self.scheduler.add(seq)
+
+    def add_running_sequence(self, seq: Sequence) -> None:
+        """Enter a sequence whose blocks this engine's block manager already holds, with their
+        KV written (a KV import, see :mod:`loopstack.engine.seams.kv_transfer`): it decodes
+        from the next step on. Raises ValueError if the id is taken or has no blocks."""
+        if seq.request_id not in self.block_manager:
+            raise ValueError(f"request id {seq.request_id!r} has no blocks in this engine")
+        self._register(seq)
+        self.scheduler.add_running(seq)
+
+    def _register(self, seq: Sequence) -> None:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self._seqs[seq.request_id] = seq
         if seq.is_capturing:
             self._capturing.add(seq.request_id)
-        self.scheduler.add(seq)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
@@ -193,6 +203,10 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._seqs)
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The unfinished request ``request_id`` (engine thread only); None if unknown or done."""
+        return self._seqs.get(request_id)
 
     # -- the step loop ---------------------------------------------------------------------
 
@@ -230,7 +244,7 @@ class LLMEngine:
         outputs = []
         for chunk in chunks:
             seq = chunk.seq
-            if seq.request_id in self._capturing and seq.is_capture_done:
+            if seq.request_id in self._capturing and not seq.is_capturing:
                 self._capturing.discard(seq.request_id)
                 if not chunk.samples:
                     outputs.append(self._output(seq, [], ""))
@@ -248,10 +262,15 @@ class LLMEngine:
             token = result.token_ids[i]
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            outputs.append(self._append_token(seq, token, result.logprobs[i], result.top_logprobs[i]))
+            outputs.append(self.append_token(seq, token, result.logprobs[i], result.top_logprobs[i]))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob, top) -> RequestOutput:
+    def append_token(
+        self, seq: Sequence, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
+    ) -> RequestOutput:
+        """Append a token chosen for ``seq`` (sampled, or an accepted speculative draft whose KV
+        is computed): advance its grammar and stop checks, finish and release it when it ends,
+        and return the step's output for it."""
         if seq.grammar is not None and not seq.grammar.accept(token):
             seq.finish(FinishReason.ERROR, "the grammar allowed no token (an unsatisfiable schema?)")
             self._release(seq)
@@ -259,16 +278,18 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top)
+            seq.top_logprobs.append(top_logprobs)
         params = seq.params
         is_eos = (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids
-        text, stop_hit = ("", False) if is_eos else seq.stop_checker.feed(token)
+        stop_checker = seq.stop_checker
+        assert stop_checker is not None  # make_sequence gives every sequence one
+        text, stop_hit = ("", False) if is_eos else stop_checker.feed(token)
         if is_eos or stop_hit or (seq.grammar is not None and seq.grammar.is_terminated):
             seq.finish(FinishReason.STOP)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish(FinishReason.LENGTH)
         if seq.is_finished and not stop_hit:
-            text += seq.stop_checker.flush()
+            text += stop_checker.flush()
         seq.output_text += text
         if seq.is_finished:
             self._release(seq)
@@ -287,9 +308,9 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         usage = Usage(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens, len(seq.output_token_ids), ttft)
+        hidden_state = seq.capture.take_result() if seq.capture is not None else None
         return RequestOutput(
-            seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs,
-            seq.take_hidden_state(),
+            seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs, hidden_state
         )
 
     # -- convenience -------------------------------------------------------------------------
@@ -311,4 +332,5 @@ class LLMEngine:
             "steps": self.num_steps,
             "busy_s": self.busy_s,
             "computed_tokens": self.num_computed_tokens,
+            "pending_captures": len(self._capturing),
         }

@@ -6,11 +6,11 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.block_manager import BlockManager
-from loopstack.engine.model.llama import CausalLM, LayerCapture
+from loopstack.engine.capture import CaptureBatch
+from loopstack.engine.model.attention import AttentionMetadata
+from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.scheduler import ScheduledChunk
-from loopstack.engine.sequence import Sequence
 
 __all__ = ["ModelRunner", "kv_bytes_per_token"]
 
@@ -55,13 +55,12 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], meta: AttentionMetadata, input_ids: torch.Tensor, ends: torch.Tensor
     ) -> torch.Tensor | None:
         """:meth:`execute`, adding the rows of each capturing sequence's positions in this batch
-        to it (:meth:`Sequence.add_captured`)."""
-        captures, parts = _captures(chunks, self.device)
+        to its :class:`~loopstack.engine.capture.CaptureAccumulator`."""
+        batch = CaptureBatch.plan([(c.seq.capture, c.start, c.end) for c in chunks], self.device)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         logits = self.model(input_ids, meta.positions(), self.kv_cache, meta,
-                            logits_indices=ends[sampling or [0]].to(self.device), captures=captures)
-        for seq, layer_capture, offset, count in parts:
-            seq.add_captured(layer_capture.hidden[offset:offset + count])
+                            logits_indices=ends[sampling or [0]].to(self.device), captures=batch.layers)
+        batch.deliver()
         return logits if sampling else None
 
     @torch.inference_mode()
@@ -100,23 +99,3 @@ class ModelRunner:
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, index, data.to(self.device, self.kv_cache.dtype))
 
-
-def _captures(
-    chunks: list[ScheduledChunk], device: torch.device
-) -> tuple[list[LayerCapture], list[tuple[Sequence, LayerCapture, int, int]]]:
-    """The batch rows each capturing sequence wants, one LayerCapture per layer (sorted), and
-    where each sequence's rows are in it: ``(seq, capture, offset, count)``."""
-    rows: dict[int, list[int]] = {}
-    spans: list[tuple[Sequence, int, int, int]] = []
-    offset = 0
-    for chunk in chunks:
-        seq = chunk.seq
-        if seq.is_capturing and seq.capture is not None:
-            positions = seq.capture.positions(chunk.start, chunk.end)
-            if positions:
-                layer_rows = rows.setdefault(seq.capture.num_layers, [])
-                spans.append((seq, seq.capture.num_layers, len(layer_rows), len(positions)))
-                layer_rows.extend(offset + p - chunk.start for p in positions)
-        offset += chunk.end - chunk.start
-    captures = {n: LayerCapture(n, torch.tensor(r, dtype=torch.long, device=device)) for n, r in sorted(rows.items())}
-    return list(captures.values()), [(seq, captures[n], start, count) for seq, n, start, count in spans]

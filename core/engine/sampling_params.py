@@ -1,4 +1,5 @@
-"""Per-request settings, validated like any user input: sampling, and hidden-state capture."""
+"""How to pick tokens for one request, validated like any user input (hidden-state capture:
+:mod:`loopstack.engine.capture`)."""
 
 from __future__ import annotations
 
@@ -6,25 +7,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from loopstack.engine.errors import EngineError
+from loopstack.engine.errors import EngineError, describe_validation_error
 
-__all__ = ["HiddenCapture", "InvalidHiddenCaptureError", "InvalidSamplingParamsError", "SamplingParams"]
+__all__ = ["InvalidSamplingParamsError", "SamplingParams"]
 
 
 class InvalidSamplingParamsError(EngineError, ValueError):
     """A sampling value is out of range; the message names the field and what is allowed."""
-
-
-class InvalidHiddenCaptureError(EngineError, ValueError):
-    """A hidden-state capture is malformed, or does not fit the prompt or the model."""
-
-
-def _problems(exc: ValidationError, default: str) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or default}: {e['msg'].replace('Value error, ', '')}"
-        + (f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else "")
-        for e in exc.errors(include_url=False)
-    )
 
 
 class SamplingParams(BaseModel):
@@ -65,64 +54,5 @@ class SamplingParams(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise InvalidSamplingParamsError(f"invalid sampling parameters: {_problems(exc, 'sampling')}") from None
-
-
-class HiddenCapture(BaseModel):
-    """Ask for the mean hidden state of some prompt tokens, computed by the request's own prefill.
-
-    The residual stream after the first ``num_layers`` decoder layers (before the final
-    norm), averaged over the prompt positions in ``spans`` (half-open ``[start, end)``,
-    sorted, not overlapping). The engine sums the rows in float32 across chunked-prefill
-    chunks and delivers the ``[hidden_size]`` float32 mean once, on the ``RequestOutput``
-    (``hidden_state``) of the step that computes the last span's last token. A prefix-cache
-    hit never skips the spans (the reused prefix stops at the first span's start), and a
-    preemption restarts the sum. The engine checks ``num_layers`` against the model and
-    ``spans`` against the prompt when the request is added.
-
-    Example: the mean over prompt tokens 40..99 and 180..239 after layer 8::
-
-        HiddenCapture(num_layers=8, spans=((40, 100), (180, 240)))
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_layers: int = Field(ge=1, description="decoder layers applied before the capture (8: the eighth's output)")
-    spans: tuple[tuple[int, int], ...] = Field(min_length=1, description="[start, end) prompt positions, sorted")
-
-    @model_validator(mode="after")
-    def _check_spans(self) -> HiddenCapture:
-        previous_end = 0
-        for start, end in self.spans:
-            if not previous_end <= start < end:
-                raise ValueError(f"span ({start}, {end}) must be non-empty, start at or after the previous "
-                                 f"span's end ({previous_end}), and not be negative")
-            previous_end = end
-        return self
-
-    @property
-    def start(self) -> int:
-        return self.spans[0][0]
-
-    @property
-    def end(self) -> int:
-        return self.spans[-1][1]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(end - start for start, end in self.spans)
-
-    def positions(self, start: int, end: int) -> list[int]:
-        """The captured positions among ``[start, end)``."""
-        positions: list[int] = []
-        for span_start, span_end in self.spans:
-            positions.extend(range(max(span_start, start), min(span_end, end)))
-        return positions
-
-    @classmethod
-    def make(cls, **values: Any) -> HiddenCapture:
-        """Validate ``values``; raise InvalidHiddenCaptureError naming every bad field."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            raise InvalidHiddenCaptureError(f"invalid hidden-state capture: {_problems(exc, 'capture')}") from None
+            problems = describe_validation_error(exc, "sampling")
+            raise InvalidSamplingParamsError(f"invalid sampling parameters: {problems}") from None

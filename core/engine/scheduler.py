@@ -54,6 +54,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence whose blocks are allocated and computed already (a KV import): no
+        admission, it is scheduled with the running ones from the next step."""
+        seq.admitted = True
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -73,8 +80,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.token_ids
-            # a pending hidden-state capture must compute its spans: no cached prefix past them
-            reuse = seq.capture.start if seq.is_capturing and seq.capture is not None else None
+            reuse = seq.capture.max_cached_tokens if seq.capture is not None else None  # a capture's spans
             if not self.block_manager.can_allocate(tokens, salt=seq.salt, max_cached_tokens=reuse):
                 if not self.running:
                     # nothing will ever free blocks for it: fail it instead of waiting forever
@@ -103,17 +109,20 @@ class Scheduler:
             return True
         while not self.block_manager.can_append(seq.request_id, needed):
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             if victim is seq:
                 return False
         self.block_manager.append_slots(seq.request_id, needed)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the front of the queue and free its blocks; it is
+        recomputed from scratch when readmitted (raises ValueError if it is not running)."""
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         seq.num_computed_tokens = 0
-        seq.reset_capture()
+        if seq.capture is not None:
+            seq.capture.restart()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._num_preemptions += 1

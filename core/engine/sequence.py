@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loopstack.engine.capture import CaptureAccumulator
+from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.text.grammar import GrammarState
-from loopstack.engine.sampling_params import HiddenCapture, SamplingParams
 from loopstack.engine.text.tokenizer import IncrementalDecoder
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus", "StopChecker"]
@@ -80,11 +81,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     admitted: bool = False
-    capture: HiddenCapture | None = None
-    capture_sum: torch.Tensor | None = None  # [hidden] float32, on the model's device
-    num_captured_tokens: int = 0
-    is_capture_done: bool = False
-    hidden_state: torch.Tensor | None = None  # [hidden] float32 mean on CPU, until an output carries it
+    capture: CaptureAccumulator | None = None  # a hidden-state capture asked for (see loopstack.engine.capture)
 
     @property
     def token_ids(self) -> list[int]:
@@ -104,30 +101,8 @@ class Sequence:
 
     @property
     def is_capturing(self) -> bool:
-        """A capture was asked for and is not complete yet."""
-        return self.capture is not None and not self.is_capture_done
-
-    def add_captured(self, rows: torch.Tensor) -> None:
-        """Add ``[R, hidden]`` captured rows; the mean is ready once every position is in."""
-        assert self.capture is not None
-        total = rows.sum(0, dtype=torch.float32)
-        self.capture_sum = total if self.capture_sum is None else self.capture_sum + total
-        self.num_captured_tokens += rows.shape[0]
-        if self.num_captured_tokens == self.capture.num_tokens:
-            self.hidden_state = (self.capture_sum / self.num_captured_tokens).cpu()
-            self.capture_sum = None
-            self.is_capture_done = True
-
-    def reset_capture(self) -> None:
-        """Restart an unfinished capture (preemption: its positions are computed again)."""
-        if self.is_capturing:
-            self.capture_sum = None
-            self.num_captured_tokens = 0
-
-    def take_hidden_state(self) -> torch.Tensor | None:
-        """The finished capture, once; None before it is complete and after it was taken."""
-        hidden, self.hidden_state = self.hidden_state, None
-        return hidden
+        """A hidden-state capture was asked for and is not complete yet."""
+        return self.capture is not None and self.capture.is_pending
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -6,11 +6,13 @@ Responses request from it, lets plugins shape the request (``loopstack_visible_t
 ``loopstack_extra_tools``, ``loopstack_prepare_request``), and sends it through the
 ``model`` middleware chain; every tool call goes through the ``tool`` chain.
 
-Middleware contracts (what ``ctx.chain`` wraps):
+Middleware contracts (the agent holds its model chain, a :class:`loopstack.middleware.Chain`
+around its own client; tool calls, its own and plugins' (:func:`dispatch_tool_call`), share
+one tool chain):
 
-* model: ``handler(request: dict, ctx)`` is an async generator; its last
-  ``{"type": "response.completed" | "response.incomplete", "response": {...}}`` event
-  carries the response. Middlewares may yield other events; the loop ignores them.
+* model: ``handler(request: dict, ctx)`` is an async generator; its last final event
+  (:data:`loopstack.items.FINAL_EVENT_TYPES`: ``{"type": "response.completed", "response":
+  {...}}``) carries the response. Middlewares may yield other events; the loop ignores them.
 * tool: ``await handler(call: ToolCall, ctx) -> ToolResult``.
 
 Example::
@@ -27,15 +29,18 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import anyio
 
-from loopstack.context import RequestContext, Session
 from loopstack.catalog import PluginCatalog
-from loopstack.runtime import StackRuntime
-from loopstack.stack.loader import StackLoader
-from loopstack.tools import ToolSet
+from loopstack.context import RequestContext, Session
+from loopstack.harness.clients.base import (
+    ModelClient,
+    TextCallback,
+    last_request_bytes,
+    serialize_request,
+)
 from loopstack.harness.compaction import TokenCounter, compact, estimate_tokens
 from loopstack.harness.events import (
     AgentEvent,
@@ -47,19 +52,23 @@ from loopstack.harness.events import (
     TurnStarted,
     Usage,
 )
-from loopstack.harness.clients.base import (
-    FINAL_EVENT_TYPES,
-    ModelClient,
-    TextCallback,
-    last_request_bytes,
-    serialize_request,
-)
 from loopstack.harness.prefix_detector import check_request as check_prefix
 from loopstack.harness.tools.tool import Tool, ToolResult
+from loopstack.items import (
+    FINAL_EVENT_TYPES,
+    Item,
+    function_call_output_item,
+    message_item,
+    output_text,
+    tool_search_output_item,
+)
+from loopstack.middleware import Chain
+from loopstack.runtime import StackRuntime
+from loopstack.stack.loader import StackLoader
+from loopstack.tools import ToolSet
+from loopstack.types import StateKey
 
 __all__ = ["Agent", "AgentResult", "ToolCall", "ToolProvider", "dispatch_tool_call", "turn_tools"]
-
-_HARNESS_STATE = "loopstack.harness"  # ctx.state key; not a plugin name
 
 
 @runtime_checkable
@@ -108,17 +117,6 @@ def _baseline_runtime() -> StackRuntime:
     return StackRuntime(StackLoader(catalog).load("baseline"), catalog)
 
 
-def _output_text(output: Sequence[dict[str, Any]]) -> str:
-    parts = [
-        part.get("text", "")
-        for item in output
-        if item.get("type") == "message"
-        for part in (item.get("content") or [])
-        if isinstance(part, dict) and part.get("type") in ("output_text", "text")
-    ]
-    return "".join(parts).strip()
-
-
 def _parse_arguments(raw: Any) -> dict[str, Any] | str:
     if isinstance(raw, dict):
         return raw
@@ -130,17 +128,18 @@ def _parse_arguments(raw: Any) -> dict[str, Any] | str:
 
 
 @dataclass
-class _TurnState:
-    model_client: ModelClient | None = None
-    on_text_delta: TextCallback | None = None
-    tools: dict[str, Tool] = field(default_factory=dict)
+class _TurnTools:
+    tools: dict[str, Tool] = field(default_factory=dict)  # replaced whole per turn, never edited
+
+
+_TURN_TOOLS = StateKey("loopstack.harness.turn_tools", _TurnTools)  # per request
 
 
 def turn_tools(ctx: RequestContext) -> dict[str, Tool]:
     """Every tool callable in this request (the agent's, plugins' extra tools, deferred
     ones), by name. Set before ``loopstack_visible_tools`` runs, so a plugin's hooks and
     middlewares (Code Mode's ``tools.<name>``) can reach the tools themselves."""
-    return ctx.state(_HARNESS_STATE, _TurnState).tools
+    return ctx.state(_TURN_TOOLS).tools
 
 
 async def dispatch_tool_call(
@@ -155,21 +154,8 @@ async def dispatch_tool_call(
     return await ctx.chain("tool", _run_tool)(call, ctx)
 
 
-async def _call_model(request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
-    # the model chain's endpoint; module-level (not a bound method) because ctx.chain caches
-    # one chain per endpoint identity and keeps the endpoint alive: one per Agent would leak
-    state = ctx.state(_HARNESS_STATE, _TurnState)
-    if state.model_client is None:
-        raise RuntimeError("no model client on this request context (the Agent sets one)")
-    if state.on_text_delta is None:
-        response = await state.model_client.create(request, ctx)
-    else:
-        response = await state.model_client.create(request, ctx, on_text_delta=state.on_text_delta)
-    yield {"type": "response.completed", "response": response}
-
-
 async def _run_tool(call: ToolCall, ctx: RequestContext) -> ToolResult:
-    # the tool chain's endpoint; module-level for the same reason as _call_model
+    # the tool chain's endpoint; module-level: plugins dispatch calls without the agent
     if call.tool is None:
         return ToolResult(f"unknown tool {call.name!r}", is_error=True)
     if not isinstance(call.arguments, dict):
@@ -177,12 +163,12 @@ async def _run_tool(call: ToolCall, ctx: RequestContext) -> ToolResult:
     return await call.tool.call(call.arguments)
 
 
-def _output_item(call_id: str, result: ToolResult) -> dict[str, Any]:
+def _output_item(call_id: str, result: ToolResult) -> Item:
     if result.loaded_tools:
         # schemas found by tool search: appended here, at the end of the context, never
         # inserted into the up-front tool list (which would invalidate the cached prefix)
-        return {"type": "tool_search_output", "call_id": call_id, "output": result.text, "tools": list(result.loaded_tools)}
-    return {"type": "function_call_output", "call_id": call_id, "output": result.text}
+        return tool_search_output_item(call_id, result.text, result.loaded_tools)
+    return function_call_output_item(call_id, result.text)
 
 
 class Agent:
@@ -234,8 +220,8 @@ class Agent:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
         if not 0 < compact_target <= compact_at <= 1:
             raise ValueError(f"need 0 < compact_target <= compact_at <= 1, got {compact_target} and {compact_at}")
-        self.providers = [t for t in tools if isinstance(t, ToolProvider) and not isinstance(t, Tool)]
-        self.tools = [t for t in tools if t not in self.providers]
+        self.providers: list[ToolProvider] = [t for t in tools if isinstance(t, ToolProvider) and not isinstance(t, Tool)]
+        self.tools: list[Tool] = [cast(Tool, t) for t in tools if t not in self.providers]
         ToolSet([t.info for t in self.tools])  # rejects duplicate names now, not at the first turn
         self.model_client = model_client
         self.instructions = instructions
@@ -256,6 +242,8 @@ class Agent:
         self.num_compactions = 0
         self._counted_items: list[dict[str, Any]] | None = None  # the list _item_tokens counts
         self._item_tokens: list[int] = []
+        # composed once per combination of arms; the endpoint reads the client from self
+        self._model_chain = Chain("model", self._call_model)
 
     async def run(self, task: str) -> AgentResult:
         """Run ``task`` to a final answer or the turn limit; see :meth:`stream`."""
@@ -270,7 +258,7 @@ class Agent:
         Raises:
             ModelClientError: the model server refused a request (the loop stops).
         """
-        self.items.append({"type": "message", "role": "user", "content": task})
+        self.items.append(message_item("user", task))
         for turn in range(1, self.max_turns + 1):
             yield TurnStarted(turn)
             ctx = self.runtime.context(session=self.session)
@@ -290,7 +278,7 @@ class Agent:
             self.items.extend(output)
             calls = [self._tool_call(item, tools) for item in output if item.get("type") == "function_call"]
             if not calls:
-                yield FinalAnswer(_output_text(output))
+                yield FinalAnswer(output_text(output).strip())
                 return
             for event in await self._run_calls(calls, ctx):
                 yield event
@@ -310,7 +298,7 @@ class Agent:
         all_tools = [*self.tools, *provided, *ctx.hooks.extra_tools(ctx)]
         tool_set = ToolSet([t.info for t in all_tools])  # a plugin's tool may not shadow one of ours
         by_name = {t.info.name: t for t in all_tools}
-        state = ctx.state(_HARNESS_STATE, _TurnState)
+        state = ctx.state(_TURN_TOOLS)
         state.tools = dict(by_name)
         ctx.hooks.visible_tools(tools=tool_set, ctx=ctx)
         # deferred tools stay callable by name (found through search); hidden ones do not
@@ -362,11 +350,17 @@ class Agent:
         ctx.count("loopstack_harness_compactions_total", help="explicit history compactions (context window)")
         return Compacted(result.num_dropped, result.tokens_before, result.tokens_after, result.num_elided)
 
+    async def _call_model(self, request: dict[str, Any], ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        # the model chain's endpoint
+        if self.on_text_delta is None:
+            response = await self.model_client.create(request, ctx)
+        else:
+            response = await self.model_client.create(request, ctx, on_text_delta=self.on_text_delta)
+        yield {"type": "response.completed", "response": response}
+
     async def _model_response(self, request: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
-        state = ctx.state(_HARNESS_STATE, _TurnState)
-        state.model_client, state.on_text_delta = self.model_client, self.on_text_delta
         response: dict[str, Any] | None = None
-        async for event in ctx.chain("model", _call_model)(request, ctx):
+        async for event in self._model_chain.handler(ctx)(request, ctx):
             if isinstance(event, dict) and event.get("type") in FINAL_EVENT_TYPES:
                 response = event["response"]
         if response is None:

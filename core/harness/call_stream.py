@@ -14,14 +14,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from loopstack.types import StateKey
+
 if TYPE_CHECKING:
+
     from loopstack.context import RequestContext
 
-__all__ = ["CallStreams", "StreamedCall", "observe_stream_event"]
+__all__ = ["CALL_STREAMS", "CallStreams", "StreamedCall", "observe_stream_event"]
 
 log = logging.getLogger(__name__)
-
-_STATE_KEY = "loopstack.call_stream"
 
 
 @dataclass
@@ -40,6 +41,11 @@ class StreamedCall:
     _joined: str = field(default="", repr=False)
     _num_joined: int = field(default=0, repr=False)
 
+    def add(self, delta: str) -> None:
+        """One more piece of the arguments (it becomes ``delta``)."""
+        self.delta = delta
+        self._pieces.append(delta)
+
     @property
     def arguments(self) -> str:
         if self._num_joined < len(self._pieces):
@@ -57,11 +63,16 @@ class CallStreams:
     num_failures: int = 0
 
 
+CALL_STREAMS = StateKey("loopstack.call_stream", CallStreams)
+"""Per request: the calls whose arguments are streaming (kept only while a plugin listens)."""
+
+
 def _streams(ctx: RequestContext) -> CallStreams | None:
     """This request's record, or None when no plugin listens (nothing is kept then)."""
-    streams = ctx.state(_STATE_KEY, CallStreams)
+    streams = ctx.state(CALL_STREAMS)
     if streams.wanted is None:
-        streams.wanted = bool(ctx.hooks.caller("loopstack_tool_call_delta").get_hookimpls())
+        caller = ctx.hooks.caller("loopstack_tool_call_delta")
+        streams.wanted = bool(caller.get_hookimpls())
     return streams if streams.wanted else None
 
 
@@ -84,8 +95,7 @@ def observe_stream_event(ctx: RequestContext, event: dict[str, Any]) -> None:
         call = streams.open.get(str(event.get("item_id"))) if streams is not None else None
         if streams is None or call is None or not event.get("delta"):
             return
-        call.delta = str(event["delta"])
-        call._pieces.append(call.delta)
+        call.add(str(event["delta"]))
         try:
             ctx.hooks.tool_call_delta(call=call, ctx=ctx)
         except Exception:  # a head start must never fail the model call

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loopstack.items import message_item
+
 __all__ = [
     "CAUSES",
     "VOLATILE_PATTERNS",
@@ -83,7 +85,7 @@ def prefix_segments(request: Mapping[str, Any]) -> list[Segment]:
     segments += [_segment(f"tools[{i}]", t, sort_keys=False) for i, t in enumerate(request.get("tools") or [])]
     items = request.get("input") or []
     if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
+        items = [message_item("user", items)]
     segments += [_segment(f"input[{i}]", item) for i, item in enumerate(items)]
     return segments
 

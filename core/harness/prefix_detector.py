@@ -56,6 +56,7 @@ from loopstack.harness.prefix_causes import (
     prefix_segments,
     secondary_causes,
 )
+from loopstack.types import StateKey
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext, Session
@@ -83,8 +84,6 @@ log = logging.getLogger("loopstack.prefix")
 
 METRIC = "prefix_breaks_total"
 STRICT_ENV = "LOOPSTACK_PREFIX_STRICT"
-_SESSION_KEY = "loopstack.prefix"  # session/request state keys; not plugin names
-_REQUEST_KEY = "loopstack.prefix.request"
 
 # -- what a break is ------------------------------------------------------------------------
 
@@ -211,14 +210,18 @@ class PrefixDetector:
         return PrefixDetectorStatistics(self.num_requests, len(self.breaks), dict(Counter(b.cause for b in self.breaks)))
 
 
+_DETECTOR = StateKey("loopstack.prefix", PrefixDetector)  # per session
+_POLICY = StateKey("loopstack.prefix.request", PrefixPolicy)  # per request
+
+
 def detector_for(session: Session) -> PrefixDetector:
     """The session's detector (created on first use)."""
-    return session.state(_SESSION_KEY, PrefixDetector)
+    return session.state(_DETECTOR)
 
 
 def prefix_policy(ctx: RequestContext) -> PrefixPolicy:
     """This request's :class:`PrefixPolicy`; plugins set it in ``loopstack_prepare_request``."""
-    return ctx.state(_REQUEST_KEY, PrefixPolicy)
+    return ctx.state(_POLICY)
 
 
 def _is_strict_env() -> bool:

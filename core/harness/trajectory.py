@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loopstack.items import content_text
+
 __all__ = ["RecordedCall", "RecordedTurn", "Trajectory", "TrajectoryError", "conversation_chars", "load_trajectory"]
 
 _BASH_BLOCK = re.compile(r"```bash\s*\n(.*?)\n```", re.DOTALL)
@@ -98,12 +100,6 @@ class Trajectory:
         return sizes
 
 
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, Mapping))
-
-
 def conversation_chars(request: Mapping[str, Any]) -> int:
     """Characters of a Responses request's instructions, message texts and tool outputs."""
     items = request.get("input") or []
@@ -113,7 +109,7 @@ def conversation_chars(request: Mapping[str, Any]) -> int:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            total += len(_message_text(item.get("content")))
+            total += len(content_text(item.get("content")))
         elif kind in ("function_call_output", "tool_search_output"):
             total += len(str(item.get("output", "")))
     return total
@@ -137,24 +133,24 @@ def _mini_swe_agent(data: Mapping[str, Any], name: str) -> Trajectory:
         message = messages[index]
         if message.get("role") != "assistant":
             raise TrajectoryError(f"{name}: messages[{index}] should be an assistant message, got {message.get('role')!r}")
-        text = _message_text(message.get("content"))
+        text = content_text(message.get("content"))
         calls: tuple[RecordedCall, ...] = ()
         if index + 1 < len(messages):
             blocks = _BASH_BLOCK.findall(text)
-            output = _message_text(messages[index + 1].get("content"))
+            output = content_text(messages[index + 1].get("content"))
             calls = (RecordedCall(f"call_{len(turns)}", "bash", {"command": blocks[0] if blocks else ""}, output),)
         turns.append(RecordedTurn(text, calls, _usage_of(message.get("extra"))))
         index += 2
     return Trajectory(str(data.get("instance_id") or name), "mini-swe-agent-1",
-                      _message_text(messages[0].get("content")), _message_text(messages[1].get("content")), tuple(turns))
+                      content_text(messages[0].get("content")), content_text(messages[1].get("content")), tuple(turns))
 
 
 def _openai_messages(messages: Sequence[Mapping[str, Any]], name: str) -> Trajectory:
-    instructions = "\n\n".join(_message_text(m.get("content")) for m in messages if m.get("role") == "system")
+    instructions = "\n\n".join(content_text(m.get("content")) for m in messages if m.get("role") == "system")
     rest = [m for m in messages if m.get("role") != "system"]
     if not rest or rest[0].get("role") != "user":
         raise TrajectoryError(f"{name}: the first non-system message must be the user's task")
-    outputs = {m.get("tool_call_id"): _message_text(m.get("content")) for m in rest if m.get("role") == "tool"}
+    outputs = {m.get("tool_call_id"): content_text(m.get("content")) for m in rest if m.get("role") == "tool"}
     turns = []
     for position, message in enumerate(rest[1:], start=1):
         role = message.get("role")
@@ -170,11 +166,11 @@ def _openai_messages(messages: Sequence[Mapping[str, Any]], name: str) -> Trajec
                 if call.get("id") not in outputs:
                     raise TrajectoryError(f"{name}: message {position}: tool call {call.get('id')!r} has no tool message")
                 calls.append(RecordedCall(str(call["id"]), str(function.get("name", "")), arguments, outputs[call["id"]]))
-            turns.append(RecordedTurn(_message_text(message.get("content")), tuple(calls)))
+            turns.append(RecordedTurn(content_text(message.get("content")), tuple(calls)))
         elif role not in ("tool",):
             raise TrajectoryError(f"{name}: message {position} has role {role!r}; a replayable session has one "
                                   "user task, then assistant and tool messages")
-    return Trajectory(Path(name).stem, "openai-messages", instructions, _message_text(rest[0].get("content")), tuple(turns))
+    return Trajectory(Path(name).stem, "openai-messages", instructions, content_text(rest[0].get("content")), tuple(turns))
 
 
 def load_trajectory(path: str | Path) -> Trajectory:

@@ -22,7 +22,10 @@ class StackMeta(_Table):
     extends: str | None = Field(None, description="another stack: a name in the stack search path or a path")
 
 
-class EngineConfig(_Table):
+class EngineTable(_Table):
+    """The ``[engine]`` table: which model to serve and how. ``loopstack.api.server`` turns it
+    into the engine's own arguments (``build_engine``, ``EngineOptions``)."""
+
     model: str = Field("smollm2-135m-instruct", description="embedded model name, GGUF file, or HF safetensors dir")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -109,7 +112,7 @@ class ResolvedStack:
 
     meta: StackMeta
     files: tuple[Path, ...]  # the extends chain, base first
-    engine: EngineConfig
+    engine: EngineTable
     api: ApiConfig
     harness: HarnessConfig
     plugins: dict[str, PluginSettings]
@@ -130,7 +133,7 @@ class ResolvedStack:
 
 
 SECTION_MODELS: dict[str, type[BaseModel]] = {
-    "engine": EngineConfig,
+    "engine": EngineTable,
     "api": ApiConfig,
     "harness": HarnessConfig,
 }

@@ -19,16 +19,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pydantic import Field
+
 from loopstack.context import RequestContext
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 from loopstack.tools import ToolSet
-from pydantic import Field
+from loopstack.types import StateKey
 
 __all__ = ["UnstableHarness", "UnstableHarnessConfig"]
-
-STATE_KEY = "unstable_harness"
-
 
 class UnstableHarnessConfig(PluginConfig):
     shuffle_tools: bool = Field(True, description="reorder the tools at random for every request")
@@ -43,6 +42,9 @@ class _SessionClock:
     num_requests: int = 0
 
 
+STATE_KEY = StateKey("unstable_harness.clock", _SessionClock)
+
+
 class UnstableHarness(Plugin):
     name = "unstable_harness"
     layers = (Layer.HARNESS,)
@@ -53,7 +55,7 @@ class UnstableHarness(Plugin):
 
     @hookimpl
     def loopstack_visible_tools(self, tools: ToolSet, ctx: RequestContext) -> None:
-        clock = ctx.session.state(STATE_KEY, _SessionClock)
+        clock = ctx.session.state(STATE_KEY)
         clock.num_requests += 1
         if not self.config.shuffle_tools:
             return
@@ -66,7 +68,7 @@ class UnstableHarness(Plugin):
     def loopstack_prepare_request(self, request: dict[str, Any], ctx: RequestContext) -> None:
         if not self.config.clock_in_instructions:
             return
-        clock = ctx.session.state(STATE_KEY, _SessionClock)
+        clock = ctx.session.state(STATE_KEY)
         start = datetime.fromisoformat(self.config.start).replace(tzinfo=UTC)
         now = start + timedelta(seconds=self.config.seconds_per_turn * max(clock.num_requests - 1, 0))
         stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")

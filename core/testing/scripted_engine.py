@@ -9,11 +9,15 @@ transports compared on it differ only in transport and API work.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 from loopstack.engine.llm_engine import RequestOutput, Usage
 from loopstack.engine.sequence import FinishReason
+
+if TYPE_CHECKING:
+    from loopstack.engine.capture import HiddenCapture
+    from loopstack.engine.config import ModelConfig
 
 __all__ = ["ScriptedEngine", "default_tokenizer"]
 
@@ -54,8 +58,15 @@ class ScriptedEngine:
     def push(self, *texts: str) -> None:
         self._texts.extend(texts)
 
+    @property
+    def hidden_state_model(self) -> ModelConfig | None:
+        """None: there is no model, so no hidden state to capture."""
+        return None
+
     async def stream(self, prompt_token_ids: list[int], params: Any, *, request_id: str | None = None,
-                     salt: str = "") -> AsyncIterator[RequestOutput]:
+                     salt: str = "", capture: HiddenCapture | None = None) -> AsyncGenerator[RequestOutput, None]:
+        if capture is not None:
+            raise ValueError("a scripted engine cannot capture hidden states (hidden_state_model is None)")
         self.prompts.append(list(prompt_token_ids))
         if self.script is not None:
             text = self.script(prompt_token_ids)

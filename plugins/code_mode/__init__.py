@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from loopstack.hookspecs import hookimpl
-
 from loopstack.plugins.code_mode.config import CodeModeConfig
 from loopstack.plugins.code_mode.plugin import CodeMode
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from loopstack.plugin import PluginConfig
 from pydantic import Field
+
+from loopstack.plugin import PluginConfig
 
 
 class CodeModeConfig(PluginConfig):

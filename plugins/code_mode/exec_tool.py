@@ -8,22 +8,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+
 from loopstack.context import RequestContext
 from loopstack.harness.agent import dispatch_tool_call, turn_tools
 from loopstack.harness.tools.tool import ToolResult
-from loopstack.tools import ToolInfo
-
 from loopstack.plugins.code_mode.config import CodeModeConfig
 from loopstack.plugins.code_mode.declarations import declare_tools
 from loopstack.plugins.code_mode.result import outcome_to_result
 from loopstack.plugins.code_mode.sandbox import ProgramOutcome, V8Sandbox
 from loopstack.plugins.code_mode.spare import SpareContexts
+from loopstack.tools import ToolInfo
+from loopstack.types import StateKey
 
-__all__ = ["EXEC_TOOL_NAME", "ExecTool", "exec_description"]
+__all__ = ["EXEC_TOOL_NAME", "SESSION_CONTEXTS", "ExecTool", "SessionContexts", "exec_description"]
 
 EXEC_TOOL_NAME = "exec"
 TOOL_SEARCH_NAME = "tool_search"
-PLUGIN_NAME = "code_mode"
 EXEC_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {"code": {"type": "string", "description": "JavaScript: the body of an async function"}},
@@ -68,7 +68,7 @@ def _dispose(sandbox: V8Sandbox) -> None:
 
 
 @dataclass
-class _SessionContexts:
+class SessionContexts:
     """Code Mode's session state: the V8 context of ``context = "session"``.
 
     The context is disposed by :meth:`close` (``Session.close()``), or when the session is
@@ -96,6 +96,10 @@ class _SessionContexts:
         if self.sandbox is not None:
             _dispose(self.sandbox)
             self.sandbox = None
+
+
+SESSION_CONTEXTS = StateKey("code_mode", SessionContexts)
+"""Per session: the V8 context of ``context = "session"`` (:class:`SessionContexts`)."""
 
 
 class ExecTool:
@@ -126,7 +130,7 @@ class ExecTool:
         tools = {name: tool.is_concurrency_safe for name, tool in turn_tools(self.ctx).items() if name != EXEC_TOOL_NAME}
         try:
             if self.config.context == "session":
-                state = self.ctx.session.state(PLUGIN_NAME, _SessionContexts)
+                state = self.ctx.session.state(SESSION_CONTEXTS)
                 async with state.lock:
                     sandbox = await self._reuse(state.sandbox)
                     state.adopt(sandbox, self.ctx.session)

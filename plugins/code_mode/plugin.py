@@ -6,7 +6,6 @@ from typing import Any
 
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin
-
 from loopstack.plugins.code_mode.config import CodeModeConfig
 from loopstack.plugins.code_mode.exec_tool import EXEC_TOOL_NAME, TOOL_SEARCH_NAME, ExecTool, exec_description
 from loopstack.plugins.code_mode.spare import SpareContexts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from loopstack.harness.tools.tool import ToolResult
-
 from loopstack.plugins.code_mode.sandbox import ProgramOutcome
 
 __all__ = ["cap_text", "outcome_to_result"]

@@ -31,9 +31,9 @@ from typing import Any, Literal, NamedTuple, cast
 import anyio
 import anyio.abc
 import sniffio
-from loopstack.harness.tools.tool import ToolResult
 from py_mini_racer import JSEvalException, JSFunction, JSOOMException, MiniRacer
 
+from loopstack.harness.tools.tool import ToolResult
 from loopstack.plugins.code_mode.gate import ConcurrencyGate
 from loopstack.plugins.code_mode.prelude import PRELUDE
 
@@ -280,7 +280,7 @@ class V8Sandbox:
             async with run.gate.hold(is_concurrency_safe=run.tools[name]):
                 try:
                     result = await run.call_tool(name, arguments)
-                except Exception as error:  # noqa: BLE001 - a failing middleware fails this call, not the program
+                except Exception as error:  # a failing middleware fails this call, not the program
                     result = ToolResult(f"{type(error).__name__}: {error}", is_error=True)
         run.tool_output_bytes += len(result.text.encode())
         ok = "false" if result.is_error else "true"

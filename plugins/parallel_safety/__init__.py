@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field, model_validator
+
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
-from pydantic import Field, model_validator
 
 Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
 

@@ -46,6 +46,7 @@ class HiddenStateFeatures:
     def __init__(self, model_name: str = "smollm2-135m-instruct", *, num_layers: int = DEFAULT_LAYERS,
                  max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         import torch
+
         from loopstack.engine.loaders import load_model
 
         model, tokenizer, _, config = load_model(model_name, device="cpu", dtype="float32")
@@ -64,6 +65,11 @@ class HiddenStateFeatures:
     @property
     def dim(self) -> int:
         return self.config.hidden_size
+
+    def wait_idle(self) -> None:
+        """Block until no forward is running (a cancelled check's forward keeps its thread)."""
+        with self._lock:
+            pass
 
     def token_ids(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text) or [self.tokenizer.bos_token_id or 0]

@@ -5,7 +5,7 @@ text it checks. On the embedded engine those states are computed anyway, by the 
 of the very prompt that contains the text: this module finds the token spans of the new
 user and tool content in the prompt (:func:`content_spans`), keeps the first and last
 ``max_tokens / 2`` of them (:func:`head_and_tail`), and asks the response service for a
-:class:`~loopstack.engine.sampling_params.HiddenCapture` over them
+:class:`~loopstack.engine.capture.HiddenCapture` over them
 (:meth:`ResponsesService.request_hidden_state`). The verdict then costs a dot product
 when prefill passes the last span, instead of a forward of its own beside the prefill.
 """
@@ -16,7 +16,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any
 
-from loopstack.engine.sampling_params import HiddenCapture
+from loopstack.engine.capture import HiddenCapture
 
 Span = tuple[int, int]
 

@@ -34,14 +34,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from loopstack.api.response_builder import ResponseBuilder
-
+from loopstack.items import TERMINAL_EVENT_TYPES
 from loopstack.plugins.parallel_safety.fused import text_capture
-from loopstack.plugins.parallel_safety.guard import Guard, Stage, Verdict, guard_stages, is_hidden_state_guard, run_check
+from loopstack.plugins.parallel_safety.guard import (
+    Guard,
+    Stage,
+    Verdict,
+    guard_stages,
+    is_hidden_state_guard,
+    run_check,
+)
 
 Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
 MODES: tuple[Mode, ...] = ("sequential", "stream_then_cut", "hold_until_pass")
 TEXT_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ def input_pieces(items: list[dict[str, Any]]) -> list[str]:
 def _hidden_need(guard: Any, model: Any) -> tuple[int, int] | None:
     try:
         return guard.hidden_capture(model)
-    except Exception:  # noqa: BLE001 - e.g. weights that failed to load: its standalone check reports it
+    except Exception:
         return None
 
 
@@ -224,7 +230,7 @@ class GuardedResponse:
                 yield event
 
     def _releasable(self, event: dict[str, Any], token_end: int) -> bool:
-        if event.get("type") in TERMINAL:
+        if event.get("type") in TERMINAL_EVENT_TYPES:
             return len(self.done) == 2 * len(self.plans)
         for i, plan in enumerate(self.plans):
             if plan.gates and (not self.input_passed.get(i) or self.covered.get(i, token_end) < token_end):
@@ -253,7 +259,7 @@ class GuardedResponse:
             self.queue.put_nowait(("end", None))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - re-raised unchanged by the consumer
+        except Exception as exc:
             self.queue.put_nowait(("error", exc))
         finally:
             await inner.aclose()
@@ -270,7 +276,7 @@ class GuardedResponse:
         if not (self.fused_input and candidates):
             return None, set()
         service, prepared = self.job.service, self.job.prepared
-        model = service.hidden_state_model() if hasattr(service, "request_hidden_state") else None
+        model = service.hidden_state_model()
         needs = {i: _hidden_need(plan.guard, model) for i, plan in candidates.items()} if model is not None else {}
         spec = next((need for need in needs.values() if need is not None), None)
         capture = (text_capture(self.tokenizer, prepared.prompt_ids, pieces, num_layers=spec[0], max_tokens=spec[1])

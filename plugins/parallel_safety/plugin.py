@@ -48,7 +48,7 @@ class BuiltinGuards:
                 self._classifier = ClassifierGuard(threshold=self.config.classifier_threshold,
                                                    threads=self.config.classifier_threads,
                                                    fused=self.config.fused_input)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the first check that needs it
+        except BaseException as exc:
             self._error = exc
         finally:
             self._loaded.set()

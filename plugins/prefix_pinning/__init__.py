@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loopstack.hookspecs import hookimpl
-
 from loopstack.plugins.prefix_pinning.config import PrefixPinningConfig
 from loopstack.plugins.prefix_pinning.plugin import PrefixPinning
 

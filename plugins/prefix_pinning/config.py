@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from pydantic import Field, field_validator
+
 from loopstack.harness.prefix_detector import VOLATILE_PATTERNS
 from loopstack.plugin import PluginConfig
-from pydantic import Field, field_validator
 
 __all__ = ["COUNTER_PATTERN", "DEFAULT_VOLATILE_PATTERNS", "PrefixPinningConfig"]
 

@@ -8,16 +8,15 @@ from typing import Any
 from loopstack.context import RequestContext
 from loopstack.harness.prefix_detector import prefix_policy
 from loopstack.hookspecs import hookimpl
+from loopstack.items import message_item
 from loopstack.plugin import Layer, Plugin
-from loopstack.tools import ToolSet
-
 from loopstack.plugins.prefix_pinning.canonical import canonical_json, first_seen_key, sort_keys_deep, sorted_key
 from loopstack.plugins.prefix_pinning.config import PrefixPinningConfig
 from loopstack.plugins.prefix_pinning.volatile import context_item, round_times, split_volatile_lines
+from loopstack.tools import ToolSet
+from loopstack.types import StateKey
 
-__all__ = ["PrefixPinning"]
-
-STATE_KEY = "prefix_pinning"
+__all__ = ["SESSION_PINS", "PrefixPinning", "SessionPins"]
 
 
 @dataclass
@@ -36,6 +35,10 @@ class SessionPins:
     context_items: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     num_items_seen: int = 0
     last_lines: tuple[str, ...] = ()
+
+
+SESSION_PINS = StateKey("prefix_pinning", SessionPins)
+"""Per session: the plugin's :class:`SessionPins`."""
 
 
 def _with_context(items: list[dict[str, Any]], context_items: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -76,7 +79,7 @@ class PrefixPinning(Plugin):
         if self.config.tool_order == "sorted":
             tools.pin_order(sorted_key)
         else:
-            pins = ctx.session.state(STATE_KEY, SessionPins)
+            pins = ctx.session.state(SESSION_PINS)
             tools.pin_order(first_seen_key(pins.tool_positions, list(tools)))
 
     @hookimpl(trylast=True)
@@ -98,11 +101,11 @@ class PrefixPinning(Plugin):
         if self.config.volatile != "append":
             return
         split = split_volatile_lines(instructions, self.config.volatile_patterns)
-        pins = ctx.session.state(STATE_KEY, SessionPins)
+        pins = ctx.session.state(SESSION_PINS)
         if not split.moved and not pins.context_items:
             return
         items = request.get("input") or []
-        items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else list(items)
+        items = [message_item("user", items)] if isinstance(items, str) else list(items)
         if len(items) < pins.num_items_seen:
             # the history was rewritten (an explicit compaction): earlier places are gone
             pins.context_items.clear()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loopstack.hookspecs import hookimpl
-
 from loopstack.plugins.tool_search.plugin import ToolSearch, ToolSearchConfig
 from loopstack.plugins.tool_search.search import search_tools
 

@@ -14,16 +14,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from loopstack.plugins.tool_search.docs import doc_from_info
+from loopstack.plugins.tool_search.namespaces import search_tool_description
+from loopstack.plugins.tool_search.retrieval.hybrid import HybridIndex
+from loopstack.plugins.tool_search.retrieval.index import FieldWeights, Hit, ToolIndex
 from loopstack.tools import ToolInfo
 
-from loopstack.plugins.tool_search.docs import doc_from_info
-from loopstack.plugins.tool_search.hybrid import HybridIndex
-from loopstack.plugins.tool_search.index import FieldWeights, Hit, ToolIndex
-from loopstack.plugins.tool_search.namespaces import search_tool_description
-
 if TYPE_CHECKING:
-    from loopstack.plugins.tool_search.embedder import Embedder
-    from loopstack.plugins.tool_search.vector_store import VectorStore
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.vector_store import VectorStore
 
 __all__ = ["CatalogCache", "CatalogIndex", "SyncResult"]
 
@@ -193,3 +192,7 @@ class CatalogCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def catalogs(self) -> list[CatalogIndex]:
+        """The catalogs kept, least recently used first."""
+        return list(self._entries.values())

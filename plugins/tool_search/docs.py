@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from loopstack.plugins.tool_search.retrieval.index import ToolDoc
 from loopstack.tools import ToolInfo
-
-from loopstack.plugins.tool_search.index import ToolDoc
 
 __all__ = ["doc_from_info", "function_tool", "parameter_text", "schema_line"]
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from loopstack.plugins.tool_search.retrieval.terms import STOP_WORDS, identifier_words
 from loopstack.tools import ToolInfo
-
-from loopstack.plugins.tool_search.terms import STOP_WORDS, identifier_words
 
 __all__ = ["LOCAL_NAMESPACE", "namespace_counts", "namespace_lines", "search_tool_description"]
 

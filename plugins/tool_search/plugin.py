@@ -8,28 +8,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import Field, field_validator
+
 from loopstack.context import RequestContext
 from loopstack.harness.tools.tool import ToolResult
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
-from loopstack.tools import ToolInfo, ToolSet
-from pydantic import Field, field_validator
-
 from loopstack.plugins.tool_search.catalog import CatalogCache
 from loopstack.plugins.tool_search.docs import function_tool
 from loopstack.plugins.tool_search.early import streamed_query
-from loopstack.plugins.tool_search.index import FieldWeights
-from loopstack.plugins.tool_search.minilm import EmbeddingModelUnavailable, model_zip_path
+from loopstack.plugins.tool_search.retrieval.index import FieldWeights
+from loopstack.plugins.tool_search.retrieval.minilm import EmbeddingModelUnavailable, model_zip_path
+from loopstack.plugins.tool_search.retrieval.vector_store import default_path
 from loopstack.plugins.tool_search.schema_tokens import TokenizerUnavailable, schema_tokens
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME, ToolSearchTool, search_text
-from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools, SessionTools
-from loopstack.plugins.tool_search.vector_store import default_path
+from loopstack.plugins.tool_search.state import REQUEST_TOOLS, SESSION_TOOLS, RequestTools, SessionTools
 from loopstack.plugins.tool_search.worker import SearchWorker
+from loopstack.tools import ToolInfo, ToolSet
 
 if TYPE_CHECKING:
     from loopstack.harness.call_stream import StreamedCall
-
-    from loopstack.plugins.tool_search.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
 __all__ = ["ToolSearch", "ToolSearchConfig"]
 
@@ -168,7 +167,7 @@ class ToolSearch(Plugin):
         if self.retriever != "hybrid":
             return None
         try:
-            from loopstack.plugins.tool_search.embedder import load_embedder  # imports torch
+            from loopstack.plugins.tool_search.retrieval.embedder import load_embedder  # imports torch
 
             vector_cache = str(self.vector_cache) if self.vector_cache is not None else None
             return load_embedder(max_query_tokens=self.config.max_query_tokens, vector_cache=vector_cache,
@@ -199,7 +198,7 @@ class ToolSearch(Plugin):
             elif self._should_defer(info) and not tools.is_deferred(info.name):
                 tools.defer(info.name)
         deferred = [info for info in tools.deferred() if info.name != SEARCH_TOOL_NAME]
-        state = ctx.state(STATE_KEY, RequestTools)
+        state = ctx.state(REQUEST_TOOLS)
         state.deferred = {info.name: info for info in deferred}
         if SEARCH_TOOL_NAME not in tools.names():
             return
@@ -218,7 +217,7 @@ class ToolSearch(Plugin):
         it on the search thread, so the search finds the vector cached (:mod:`.early`)."""
         if call.name != SEARCH_TOOL_NAME or not self.config.embed_early:
             return
-        tools = ctx.state(STATE_KEY, RequestTools)
+        tools = ctx.state(REQUEST_TOOLS)
         if tools.catalog is None or tools.catalog.retriever != "hybrid" or call.call_id in tools.embedded_early:
             return
         query = streamed_query(call.arguments)
@@ -234,7 +233,7 @@ class ToolSearch(Plugin):
 
     @hookimpl
     def loopstack_prepare_request(self, request: dict[str, Any], ctx: RequestContext) -> None:
-        session = ctx.session.state(STATE_KEY, SessionTools)
+        session = ctx.session.state(SESSION_TOOLS)
         if session.num_requests == 0:
             ctx.count("tool_search_sessions_total", help="sessions that made a request with tool_search on")
         session.num_requests += 1
@@ -276,9 +275,9 @@ class ToolSearch(Plugin):
         def wrap(next_handler: Any) -> Any:
             async def handler(call: Any, ctx: RequestContext) -> ToolResult:
                 result: ToolResult = await next_handler(call, ctx)
-                tools = ctx.state(STATE_KEY, RequestTools)
+                tools = ctx.state(REQUEST_TOOLS)
                 info = tools.deferred.get(call.name)
-                session = ctx.session.state(STATE_KEY, SessionTools)
+                session = ctx.session.state(SESSION_TOOLS)
                 if info is not None and not result.is_error:
                     await self._learn(call.name, tools, session, ctx)
                 if info is None or result.loaded_tools or call.name in session.loaded:

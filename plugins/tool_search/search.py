@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import pydantic
+
 from loopstack.context import RequestContext
 from loopstack.harness.tools.tool import ToolResult
-from loopstack.tools import ToolInfo
-
 from loopstack.plugins.tool_search.docs import function_tool
-from loopstack.plugins.tool_search.index import Hit
 from loopstack.plugins.tool_search.namespaces import namespace_lines
-from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools, SessionTools
+from loopstack.plugins.tool_search.retrieval.index import Hit
+from loopstack.plugins.tool_search.state import REQUEST_TOOLS, SESSION_TOOLS, RequestTools
 from loopstack.plugins.tool_search.worker import SearchWorker
+from loopstack.tools import ToolInfo
 
 __all__ = ["SEARCH_TOOL_NAME", "SearchArguments", "ToolSearchTool", "search_text", "search_tools", "search_tools_async"]
 
@@ -61,7 +61,7 @@ def search_text(query: str, max_query_chars: int) -> str:
 
 def _check(ctx: RequestContext, query: str) -> ToolResult | None:
     """The error result for a query that cannot be searched, or None."""
-    tools = ctx.state(STATE_KEY, RequestTools)
+    tools = ctx.state(REQUEST_TOOLS)
     if not query:
         return ToolResult("tool_search needs a non-empty query: describe the task or name a tool. "
                           f"Namespaces:\n{_namespaces_text(tools)}", is_error=True)
@@ -90,8 +90,8 @@ def _find(tools: RequestTools, query: str, limit: int) -> list[Hit]:
 def _load(ctx: RequestContext, query: str, hits: list[Hit]) -> ToolResult:
     """Load ``hits`` into the session and say what was found (on the event loop, with no
     await inside, so concurrent searches of one turn never load a tool twice)."""
-    tools = ctx.state(STATE_KEY, RequestTools)
-    session = ctx.session.state(STATE_KEY, SessionTools)
+    tools = ctx.state(REQUEST_TOOLS)
+    session = ctx.session.state(SESSION_TOOLS)
     session.num_searches += 1
     ctx.count("tool_search_searches_total", help="tool_search calls")
     if not hits:
@@ -134,7 +134,7 @@ def search_tools(ctx: RequestContext, query: str, *, limit: int, max_query_chars
     error = _check(ctx, query)
     if error is not None:
         return error
-    return _load(ctx, query, _find(ctx.state(STATE_KEY, RequestTools), query, limit))
+    return _load(ctx, query, _find(ctx.state(REQUEST_TOOLS), query, limit))
 
 
 async def search_tools_async(ctx: RequestContext, query: str, *, limit: int, max_query_chars: int = 2000,
@@ -146,7 +146,7 @@ async def search_tools_async(ctx: RequestContext, query: str, *, limit: int, max
     error = _check(ctx, query)
     if error is not None:
         return error
-    tools = ctx.state(STATE_KEY, RequestTools)
+    tools = ctx.state(REQUEST_TOOLS)
     assert tools.catalog is not None  # checked by _check
     # BM25 over a built catalog (a sync then checks what changed, a search scores postings)
     # takes a millisecond or two: the hop to the worker would cost about as much

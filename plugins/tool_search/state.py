@@ -6,13 +6,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loopstack.tools import ToolInfo
+from loopstack.types import StateKey
 
 if TYPE_CHECKING:
     from loopstack.plugins.tool_search.catalog import CatalogIndex
 
-__all__ = ["STATE_KEY", "RequestTools", "SessionTools"]
-
-STATE_KEY = "tool_search"
+__all__ = ["REQUEST_TOOLS", "SESSION_TOOLS", "RequestTools", "SessionTools"]
 
 
 @dataclass
@@ -43,3 +42,10 @@ class RequestTools:
             self.catalog.sync(list(self.deferred.values()))
             self.is_synced = True
             self.synced_version = self.catalog.version
+
+
+SESSION_TOOLS = StateKey("tool_search.session", SessionTools)
+"""Per session (``ctx.session.state(SESSION_TOOLS)``): what was loaded and searched."""
+
+REQUEST_TOOLS = StateKey("tool_search.request", RequestTools)
+"""Per request (``ctx.state(REQUEST_TOOLS)``): the deferred tools and their index."""

@@ -2,10 +2,10 @@
 
 DESIGN.md technique 4; docs/techniques/ws-deltas.md. Modules: ``config`` (the TOML table),
 ``delta`` (delta or full: the sans-I/O decision), ``transport`` (the per-session WebSocket
-and its fallbacks, the client half), ``server`` (commits completed outputs to the chain
-token state, the server half; the state itself is :mod:`loopstack.plugins.ws_deltas.chain_prompt`),
-``plugin``, and the ``transport`` bench workload (``bench``, ``scripted_engine``,
-``loopback_tls``).
+and its fallbacks, the client half), ``server`` (the server half: prompt ids from the chain
+token state through ``loopstack_prompt_ids``, and commits of completed outputs), the state
+itself (``chain_prompt``, ``token_state``), ``plugin``, and the ``transport`` bench workload
+(``bench``; its doubles are in :mod:`loopstack.testing`).
 
 Example stack table::
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from loopstack.hookspecs import hookimpl
-
 from loopstack.plugins.ws_deltas.config import WsDeltasConfig
 from loopstack.plugins.ws_deltas.plugin import WsDeltas
 

@@ -2,8 +2,10 @@
 
 :class:`TokenState` is what a server keeps (the ``ws_deltas`` plugin owns one per arm):
 a :class:`~loopstack.plugins.ws_deltas.token_state.ChainTokenCache` and the suffix renderer of the
-engine's tokenizer. Per request, :class:`ChainPrompts` is handed to
-:meth:`ResponsesService.prepare`:
+engine's tokenizer. Per request, a :class:`ChainPrompts` answers the ``loopstack_prompt_ids``
+hook the server calls in ``prepare`` (:meth:`ChainPrompts.build`, from the
+:class:`~loopstack.types.PromptRequest` it is given: the request, the tokenizer, readers of
+the chain; it never calls the service back):
 
 * the previous response's entry is in the cache, visible to this tenant (and connection, for
   ``store: false``), still in the store, and the request renders the same head
@@ -12,8 +14,8 @@ engine's tokenizer. Per request, :class:`ChainPrompts` is handed to
 * otherwise the chain is rebuilt from the store and tokenized whole, as without the cache
   (``kind = "full"``).
 
-When the response completes, :meth:`ChainPrompts.commit` tokenizes its output and caches
-the new entry under the response's id. The resulting prompt ids equal, token for token,
+When the response completes, :meth:`ChainPrompts.commit` (the plugin's response middleware)
+tokenizes its output and caches the new entry under the response's id. The resulting prompt ids equal, token for token,
 those of a full render of the same conversation (the renderer's probe checks the template;
 any split it cannot make exactly falls back to the full path).
 """
@@ -23,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loopstack.api.conversation import (
@@ -40,26 +42,26 @@ from loopstack.api.prompt_suffix import SuffixRenderer
 from loopstack.plugins.ws_deltas.token_state import ChainTokenCache, ChainTokens, token_array
 
 if TYPE_CHECKING:
-    from loopstack.context import RequestContext
-    from loopstack.api.auth import Principal
-    from loopstack.api.schemas import ResponsesRequest
-    from loopstack.api.service import Prepared, ResponsesService
-    from loopstack.api.store import StoredResponse
+    from loopstack.api.service import Prepared
+    from loopstack.types import PromptRequest
 
-__all__ = ["ChainPrompt", "ChainPrompts", "TokenState", "chain_prompts", "record_ws_call"]
-
-PROVIDER = "ws_deltas"  # the plugin whose enabled instance carries a ``token_state`` attribute
-_REQUEST_KEY = "loopstack.api.chain_prompts"  # ctx.state key of this request's ChainPrompts
+__all__ = ["ChainPrompt", "ChainPrompts", "TokenState"]
 
 
 @dataclass(frozen=True)
 class ChainPrompt:
-    """What :meth:`ChainPrompts.prompt_ids` hands to ``prepare``."""
+    """What :meth:`ChainPrompts.build` answers to ``loopstack_prompt_ids`` (a
+    :class:`~loopstack.types.PromptIds`); ``prompts`` commits the response's output later."""
 
     prompt_ids: list[int]
     tools: list[FunctionTool]
-    num_tokenized: int
     tool_items: list[Mapping[str, Any]]  # the chain's tool_search_output items, new ones included
+    prompts: ChainPrompts = field(repr=False)
+
+    @property
+    def num_tokenized(self) -> int:
+        """Tokens this request tokenized so far: the prompt's, then its output's once committed."""
+        return self.prompts.num_tokenized
 
 
 @dataclass
@@ -155,15 +157,15 @@ class ChainPrompts:
         self.num_tokenized += len(ids)
         return ids
 
-    def prompt_ids(self, service: ResponsesService, request: ResponsesRequest, principal: Principal,
-                   local: MutableMapping[str, StoredResponse] | None) -> ChainPrompt | None:
-        """Prompt ids for ``request``, or None to let ``prepare`` render it as usual.
+    def build(self, prompt: PromptRequest) -> ChainPrompt | None:
+        """Prompt ids for ``prompt.request``, or None to let ``prepare`` render it as usual.
 
         Raises:
             APIError: what ``prepare`` would raise for the same request (bad items or tools,
                 an unknown ``previous_response_id``).
         """
-        self._renderer = self.state.renderer(service.engine.tokenizer)
+        request = prompt.request
+        self._renderer = self.state.renderer(prompt.tokenizer)
         if not self._renderer.is_exact:
             return None
         try:
@@ -172,26 +174,25 @@ class ChainPrompts:
             raise APIError(f"invalid tools: {exc}", param="tools", code="invalid_value") from None
         head = _messages([], request.instructions)
         key = render_key(request.instructions, request.tools)
-        parent = self._parent(service, request, principal, local, key)
+        parent = self._parent(prompt, key)
         if parent is not None:
-            prompt = self._delta(parent, head, tools, key, request.input_items())
-            if prompt is not None:
-                return prompt
-        return self._full(service, request, principal, local, head, tools, key)
+            answer = self._delta(parent, head, tools, key, request.input_items())
+            if answer is not None:
+                return answer
+        return self._full(prompt, head, tools, key)
 
-    def _parent(self, service: ResponsesService, request: ResponsesRequest, principal: Principal,
-                local: Mapping[str, StoredResponse] | None, key: str) -> ChainTokens | None:
-        previous = request.previous_response_id
+    def _parent(self, prompt: PromptRequest, key: str) -> ChainTokens | None:
+        previous = prompt.request.previous_response_id
         if not previous:
             return None
-        entry = self.state.cache.get(previous, tenant=principal.tenant, local=local)
+        entry = self.state.cache.get(previous, tenant=prompt.tenant, local=prompt.local)
         if entry is None or entry.render_key != key:
             return None
         # every stored link must still be visible, as store.chain() would require: a deleted or
         # expired ancestor ends the chain (its text must not live on in the cached tokens)
         stored = [link.response_id for link in _links(entry) if link.is_stored]
-        if not service.store.all_present(stored, tenant=principal.tenant):
-            self.state.cache.discard(previous, tenant=principal.tenant)
+        if not prompt.all_stored(stored):
+            self.state.cache.discard(previous, tenant=prompt.tenant)
             return None
         return entry
 
@@ -213,14 +214,13 @@ class ChainPrompts:
         self._pending = _Pending(parent, token_array(new_ids), head, tools, tail,
                                  _call_names(new_messages, dict(parent.call_names)), key, tool_items)
         self.kind = "delta"
-        return ChainPrompt(parent.token_ids() + new_ids + generation_ids, tools, self.num_tokenized, list(tool_items))
+        return ChainPrompt(parent.token_ids() + new_ids + generation_ids, tools, list(tool_items), self)
 
-    def _full(self, service: ResponsesService, request: ResponsesRequest, principal: Principal,
-              local: MutableMapping[str, StoredResponse] | None, head: list[dict[str, Any]],
-              tools: list[FunctionTool], key: str) -> ChainPrompt | None:
+    def _full(self, prompt: PromptRequest, head: list[dict[str, Any]], tools: list[FunctionTool],
+              key: str) -> ChainPrompt | None:
         assert self._renderer is not None
-        items = service.history(request, principal, local) + request.input_items()
-        messages = _messages(items, request.instructions)
+        items = prompt.history() + prompt.request.input_items()
+        messages = _messages(items, prompt.request.instructions)
         if not messages:
             return None
         text = render_prompt(self._renderer.tokenizer, messages, tools, add_generation_prompt=False)
@@ -233,7 +233,7 @@ class ChainPrompts:
         self._pending = _Pending(None, token_array(ids), head, tools, messages[-1], _call_names(messages, {}), key,
                                  tool_items)
         self.kind = "full"
-        return ChainPrompt(ids + generation_ids, tools, self.num_tokenized, list(tool_items))
+        return ChainPrompt(ids + generation_ids, tools, list(tool_items), self)
 
     def commit(self, prepared: Prepared, response: Mapping[str, Any]) -> ChainTokens | None:
         """Append the completed ``response``'s output to the chain and cache it under its id."""
@@ -270,33 +270,3 @@ def _links(entry: ChainTokens) -> list[ChainTokens]:
         links.append(current)
         current = current.parent
     return links
-
-
-def chain_prompts(ctx: RequestContext) -> ChainPrompts | None:
-    """This request's :class:`ChainPrompts` when a plugin keeping token state is on for it.
-
-    The first call makes it (the WebSocket endpoint, before ``prepare``); later calls in the
-    same request (the plugin's response middleware, to commit) get the same object.
-    """
-    return ctx.state(_REQUEST_KEY, lambda: _new_chain_prompts(ctx))
-
-
-def _new_chain_prompts(ctx: RequestContext) -> ChainPrompts | None:
-    if not ctx.enabled(PROVIDER):
-        return None
-    plugin = ctx.runtime.instance(PROVIDER, ctx.arm(PROVIDER))
-    state = getattr(plugin, "token_state", None)
-    return ChainPrompts(state) if isinstance(state, TokenState) else None
-
-
-def record_ws_call(ctx: RequestContext, prepared: Prepared, *, bytes_received: int, bytes_sent: int) -> None:
-    """Per-call metrics of a WebSocket response, for every arm: bytes each way, tokens tokenized."""
-    prompts = ctx.state(_REQUEST_KEY, lambda: None)
-    # without a chain prompt, prepare tokenized the whole rendered prompt
-    tokenized = prompts.num_tokenized if prompts is not None and prompts.kind != "none" else len(prepared.prompt_ids)
-    ctx.observe("loopstack_api_ws_bytes_received", bytes_received, help="bytes of one response.create/append message")
-    ctx.observe("loopstack_api_ws_bytes_sent", bytes_sent, help="bytes of the events of one response")
-    ctx.observe("loopstack_api_tokens_tokenized", tokenized, help="tokens tokenized for one response (prompt + output)")
-    if prompts is not None and prompts.kind != "none":
-        ctx.count("loopstack_api_chain_prompts_total", help="prompts from the chain token state, by kind",
-                  kind=prompts.kind)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from loopstack.plugin import PluginConfig
 from pydantic import Field
+
+from loopstack.plugin import PluginConfig
 
 
 class WsDeltasConfig(PluginConfig):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopstack.plugins.ws_deltas.chain_prompt import TokenState
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
-
+from loopstack.plugins.ws_deltas.chain_prompt import ChainPrompt, TokenState
 from loopstack.plugins.ws_deltas.config import WsDeltasConfig
-from loopstack.plugins.ws_deltas.server import commit_middleware
-from loopstack.plugins.ws_deltas.transport import DeltaTransport
+from loopstack.plugins.ws_deltas.server import chain_prompt, commit_middleware
+from loopstack.plugins.ws_deltas.transport import SESSION_TRANSPORT, DeltaTransport
+from loopstack.types import PromptRequest
 
 
 class WsDeltas(Plugin):
@@ -26,12 +26,18 @@ class WsDeltas(Plugin):
 
     def __init__(self, config: PluginConfig, *, arm: str = "default") -> None:
         super().__init__(config, arm=arm)
-        # read by loopstack.plugins.ws_deltas.chain_prompt for requests this instance serves
-        self.token_state = TokenState(self.config.max_chains)
+        self.token_state = TokenState(self.config.max_chains)  # the chains of the requests this instance serves
 
     @hookimpl
     def loopstack_client_transport(self, ctx: Any) -> DeltaTransport:
-        return ctx.session.state(self.name, lambda: DeltaTransport(self.config))
+        slot = ctx.session.state(SESSION_TRANSPORT)
+        if slot.transport is None:
+            slot.transport = DeltaTransport(self.config)
+        return slot.transport
+
+    @hookimpl
+    def loopstack_prompt_ids(self, prompt: PromptRequest, ctx: Any) -> ChainPrompt | None:
+        return chain_prompt(self.token_state, prompt)
 
     @hookimpl(trylast=True)  # innermost: it sees the events the service produced
     def loopstack_response_middleware(self, runtime: Any) -> Any:

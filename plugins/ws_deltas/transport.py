@@ -1,7 +1,8 @@
 """The client half: one WebSocket per session, deltas when the chain allows, every fallback.
 
 :class:`DeltaTransport` is what the plugin's ``loopstack_client_transport`` hook returns
-for a session (``ctx.session.state``), so the harness's Responses client sends through it.
+for a session (``ctx.session.state(SESSION_TRANSPORT)``), so the harness's Responses client
+sends through it.
 The connection opens on the first call and is reused; each call is planned by
 :func:`~.delta.plan_request` and sent with
 :meth:`~loopstack.harness.clients.websocket.ResponsesWebSocketClient.exchange`. Fallbacks:
@@ -29,15 +30,14 @@ from loopstack.harness.clients.websocket import (
     WebSocketRefusedError,
     create_message,
 )
-
 from loopstack.plugins.ws_deltas.delta import ChainCursor, Plan, cursor_after, plan_request
+from loopstack.types import StateKey
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
-
     from loopstack.plugins.ws_deltas.config import WsDeltasConfig
 
-__all__ = ["DeltaTransport", "DeltaTransportStatistics"]
+__all__ = ["SESSION_TRANSPORT", "DeltaTransport", "DeltaTransportStatistics", "SessionTransport"]
 
 _METRIC = "loopstack_ws_deltas"
 _LOST = (ConnectionLostError, FirstEventTimeoutError)  # the response may not have finished: resend
@@ -74,6 +74,16 @@ class DeltaTransport:
         self._use_http = False
         self._supports_append = True
         self._counts = _Counts()
+
+    @property
+    def client(self) -> ResponsesWebSocketClient | None:
+        """The session's WebSocket client (None before the first call over it)."""
+        return self._client
+
+    @property
+    def cursor(self) -> ChainCursor | None:
+        """Where the session's chain stands on the server (None: the next request goes in full)."""
+        return self._cursor
 
     async def _ws(self, endpoint: ServerEndpoint) -> ResponsesWebSocketClient:
         if self._client is None or endpoint != self._endpoint:
@@ -170,3 +180,14 @@ class DeltaTransport:
         setups = self._client.connection_generation if self._client is not None else 0
         return DeltaTransportStatistics(counts.delta, counts.full, counts.http, counts.not_found, counts.resends,
                                         counts.bytes_sent, setups)
+
+
+@dataclass
+class SessionTransport:
+    """A session's :class:`DeltaTransport`, made by the first call the plugin serves (None before)."""
+
+    transport: DeltaTransport | None = None
+
+
+SESSION_TRANSPORT = StateKey("ws_deltas.transport", SessionTransport)
+"""Where a session keeps its transport: ``ctx.session.state(SESSION_TRANSPORT).transport``."""

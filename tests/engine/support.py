@@ -4,7 +4,6 @@ runner over a shuffled block pool, and the real default model (loaded once per s
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -13,12 +12,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
-from tokenizers import Tokenizer as BackendTokenizer
 
-from loopstack.engine.model.attention import AttentionMetadata
-from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine
+from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.testing.tiny_model import (  # noqa: F401  (re-exported for the engine tests)
@@ -29,6 +25,7 @@ from loopstack.testing.tiny_model import (  # noqa: F401  (re-exported for the e
     tiny_tokenizer_json,
     tiny_tokenizer_parts,
 )
+
 
 @pytest.fixture
 def tiny_model() -> CausalLM:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.engine.support import GREEDY, PROMPTS, make_engine
 
 from loopstack.engine.async_engine import AsyncEngine
 from loopstack.engine.llm_engine import PromptTooLongError
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.sequence import FinishReason
+from tests.engine.support import GREEDY, PROMPTS, make_engine
 
 
 def run(coro):
@@ -131,3 +131,23 @@ def test_a_failing_step_fails_its_batch_not_the_engine(monkeypatch):
     assert failed.finish_reason is FinishReason.ERROR and "simulated device fault" in failed.error
     assert ok.finish_reason is FinishReason.LENGTH and engine.num_step_errors == 1
     assert core.block_manager.statistics().num_used_blocks == 0
+
+
+def test_reset_prefix_cache_runs_between_steps_and_a_repeat_starts_cold():
+    engine = AsyncEngine(make_engine())
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        await engine.generate(PROMPTS[2], GREEDY)
+        async for output in engine.stream(PROMPTS[0], long):  # a request runs while the cache is reset
+            num_dropped = engine.reset_prefix_cache()
+            break
+        return num_dropped, await engine.generate(PROMPTS[2], GREEDY)
+
+    try:
+        num_dropped, again = run(main())
+    finally:
+        engine.shutdown()
+    assert num_dropped > 0 and again.usage.cached_prompt_tokens == 0
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.reset_prefix_cache()

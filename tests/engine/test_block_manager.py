@@ -403,13 +403,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_block_is_in_exactly_one_pool(self) -> None:
-        bm = self.bm
-        free, cached = list(bm._free), list(bm._cached)
-        used = [block.block_id for block in bm._blocks if block.ref_count > 0]
+        snapshot = self.bm.snapshot()
+        free, cached = list(snapshot.free_block_ids), list(snapshot.cached_block_ids)
+        used = [block_id for block_id, ref_count in enumerate(snapshot.ref_counts) if ref_count > 0]
         assert sorted(free + cached + used) == list(range(NUM_BLOCKS))
-        assert all(bm._blocks[b].block_hash is None for b in free)
-        assert all(bm._blocks[b].block_hash is not None for b in cached)
-        stats = bm.statistics()
+        assert all(snapshot.block_hashes[b] is None for b in free)
+        assert all(snapshot.block_hashes[b] is not None for b in cached)
+        stats = self.bm.statistics()
         assert stats.num_free_blocks == len(free)
         assert stats.num_cached_blocks == len(cached)
         assert stats.num_used_blocks == len(used)
@@ -419,21 +419,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def ref_counts_equal_live_table_references(self) -> None:
         references = Counter(b for seq_id in self.tokens for b in self.bm.block_table(seq_id))
-        assert all(block.ref_count == references[block.block_id] for block in self.bm._blocks)
+        ref_counts = self.bm.snapshot().ref_counts
+        assert all(ref_count == references[block_id] for block_id, ref_count in enumerate(ref_counts))
 
     @invariant()
     def cache_entries_hold_the_kv_their_hash_names(self) -> None:
-        hashed_blocks = {block.block_id for block in self.bm._blocks if block.block_hash is not None}
-        assert hashed_blocks == set(self.bm._hash_to_block.values())
-        for block_hash, block_id in self.bm._hash_to_block.items():
-            assert self.bm._blocks[block_id].block_hash == block_hash
+        snapshot = self.bm.snapshot()
+        hashed_blocks = {block_id for block_id, h in enumerate(snapshot.block_hashes) if h is not None}
+        assert hashed_blocks == set(snapshot.hash_to_block.values())
+        for block_hash, block_id in snapshot.hash_to_block.items():
+            assert snapshot.block_hashes[block_id] == block_hash
             slots = range(block_id * BLOCK_SIZE, (block_id + 1) * BLOCK_SIZE)
             salt, prefix = self.kv[slots[-1]]
             assert hash_token_blocks(prefix, BLOCK_SIZE, salt)[-1] == block_hash
             assert [self.kv[slot] for slot in slots] == [
                 (salt, prefix[: len(prefix) - BLOCK_SIZE + offset + 1]) for offset in range(BLOCK_SIZE)
             ]
-        assert self.router_view == set(self.bm._hash_to_block)
+        assert self.router_view == set(snapshot.hash_to_block)
 
     @invariant()
     def sequences_match_the_model_and_keep_their_kv(self) -> None:
@@ -454,7 +456,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
-        assert all(block.ref_count == 0 for block in self.bm._blocks)
+        assert all(ref_count == 0 for ref_count in self.bm.snapshot().ref_counts)
         assert self.bm.statistics().num_used_blocks == 0
 
 

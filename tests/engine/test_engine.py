@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.support import GREEDY, PROMPTS, build_tiny_model, dense_reference, make_engine
 
-from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError
+from loopstack.engine.llm_engine import PromptTooLongError
 from loopstack.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from loopstack.engine.sequence import FinishReason
+from tests.engine.support import GREEDY, PROMPTS, build_tiny_model, dense_reference, make_engine
+
 
 def reference_greedy(prompt: list[int], num_tokens: int) -> list[int]:
     model, tokens = build_tiny_model(tie_word_embeddings=False), list(prompt)

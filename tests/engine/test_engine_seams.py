@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import random
 
-from tests.engine.support import PROMPTS, make_engine
-
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.kv_transfer import export_request, import_request
 from loopstack.engine.seams.speculation import verify_greedy
+from tests.engine.support import PROMPTS, make_engine
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -16,7 +15,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def prefill(engine, request_id, prompt):
     engine.add_request(request_id, prompt, PARAMS)
     engine.step()  # prefill + first token: the sequence is now in decode state
-    return engine._seqs[request_id]
+    return engine.sequence(request_id)
 
 
 def test_verify_k_with_rollback_equals_plain_decoding():

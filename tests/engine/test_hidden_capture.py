@@ -6,15 +6,12 @@ import asyncio
 
 import pytest
 import torch
-from tests.engine.support import dense_residual
+
 from loopstack.engine import AsyncEngine
+from loopstack.engine.capture import HiddenCapture, InvalidHiddenCaptureError
 from loopstack.engine.model.llama import CausalLM
-from loopstack.engine.sampling_params import (
-    HiddenCapture,
-    InvalidHiddenCaptureError,
-    SamplingParams,
-)
-from tests.engine.support import make_engine
+from loopstack.engine.sampling_params import SamplingParams
+from tests.engine.support import dense_residual, make_engine
 
 PROMPT = list(range(30, 90))  # 60 tokens: 15 blocks of 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -77,9 +74,9 @@ def test_preemption_restarts_an_unfinished_capture():
     engine = make_engine(max_num_batched_tokens=16)
     seq = engine.add_request("p", PROMPT, PARAMS, capture=HiddenCapture(num_layers=1, spans=SPANS))
     engine.step()  # tokens 0..15: the first 7 captured positions
-    assert seq.num_captured_tokens == 7
-    engine.scheduler._preempt(seq)
-    assert seq.num_captured_tokens == 0 and seq.capture_sum is None
+    assert seq.capture.num_captured_tokens == 7
+    engine.scheduler.preempt(seq)
+    assert seq.capture.num_captured_tokens == 0 and seq.capture.running_sum is None
     states = []
     while not seq.is_finished:
         states += [o.hidden_state for o in engine.step() if o.hidden_state is not None]
@@ -112,8 +109,9 @@ def test_an_unfinished_capture_is_dropped_on_abort_and_costs_nothing_after():
     engine = make_engine(max_num_batched_tokens=16)
     engine.add_request("a", PROMPT, PARAMS, capture=HiddenCapture(num_layers=1, spans=SPANS))
     engine.step()
+    assert engine.statistics()["pending_captures"] == 1
     assert engine.abort("a").hidden_state is None
-    assert not engine._capturing
+    assert engine.statistics()["pending_captures"] == 0
     assert engine.block_manager.statistics().num_used_blocks == 0
 
 
@@ -152,6 +150,6 @@ def test_the_async_engine_delivers_the_capture_through_stream_and_generate():
         streamed, result = asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
         engine.shutdown()
-    assert len(streamed) == 1 and engine.supports_hidden_capture
+    assert len(streamed) == 1 and engine.hidden_state_model == engine.engine.model.config
     torch.testing.assert_close(streamed[0], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(result.hidden_state, expected, atol=1e-5, rtol=1e-5)

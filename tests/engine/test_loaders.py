@@ -10,8 +10,9 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from loopstack.engine import loaders
-from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.device import resolve_device, resolve_dtype
 from loopstack.engine.errors import ModelNotFoundError, UnsupportedArchitectureError
@@ -24,9 +25,9 @@ from loopstack.engine.loaders.gguf_loader import (
     unpermute_rotary,
 )
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
+from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
-from safetensors.torch import save_file
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200]
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

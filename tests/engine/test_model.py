@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loopstack.engine.model.attention import AttentionMetadata, build_attention_mask
+
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.model import int8_dynamic
+from loopstack.engine.model.attention import AttentionMetadata, build_attention_mask
 from loopstack.engine.model.llama import RMSNorm, rope_inv_freq
 from loopstack.engine.model.quant import DynamicInt8Linear, Int4Linear, Int8RescoredHead, quantize_model
 

@@ -6,10 +6,11 @@ import copy
 
 import pytest
 import torch
-from tests.engine.support import PagedRunner, build_tiny_model
+
 from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.native_decode import NativeDecoder, load_extension
 from loopstack.engine.model.quant import quantize_model
+from tests.engine.support import PagedRunner, build_tiny_model
 
 pytestmark = pytest.mark.skipif(
     load_extension() is None, reason="the native decode extension could not be built here (see the log)"

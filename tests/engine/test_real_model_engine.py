@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from loopstack.engine.text.grammar import InvalidGrammarError
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.sequence import FinishReason
+from loopstack.engine.text.grammar import InvalidGrammarError
 
 WEATHER_SCHEMA = {
     "type": "object",

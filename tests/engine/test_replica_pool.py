@@ -15,20 +15,22 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import pytest
-from tests.engine.support import build_tiny_model, tiny_tokenizer_parts
+import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from loopstack.engine.capture import HiddenCapture, InvalidHiddenCaptureError
 from loopstack.engine.errors import ModelNotFoundError
-from loopstack.engine.text.grammar import InvalidGrammarError
-from loopstack.engine.seams.kv_events import BlockStored, KVCacheEvent, hash_token_blocks
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError
 from loopstack.engine.loaders import load_model
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
+from loopstack.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
+from loopstack.engine.seams.kv_events import BlockStored, KVCacheEvent, hash_token_blocks
 from loopstack.engine.seams.replica_pool import ReplicaDiedError, ReplicaPool, ReplicaStartError
 from loopstack.engine.seams.replica_worker import error_type_paths, rebuild_request_error
-from loopstack.engine.sampling_params import InvalidSamplingParamsError, SamplingParams
 from loopstack.engine.sequence import FinishReason
+from loopstack.engine.text.grammar import InvalidGrammarError
+from tests.engine.support import build_tiny_model, tiny_tokenizer_parts
 
 T = TypeVar("T")
 
@@ -95,14 +97,14 @@ def served(model_dir: Path) -> Iterator[Served]:
 
 def test_each_replica_generates_what_an_in_process_engine_does(served, reference):
     async def main() -> list[list[list[int]]]:
-        return [[(await served.pool.generate(i, p, GREEDY)).token_ids for p in PROMPTS] for i in (0, 1)]
+        return [[(await served.pool.generate(p, GREEDY, replica_index=i)).token_ids for p in PROMPTS] for i in (0, 1)]
 
     assert served.run(main()) == [reference, reference]
 
 
 def test_concurrent_requests_on_both_replicas(served, reference):
     async def main() -> list[Any]:
-        calls = [served.pool.generate(i, p, GREEDY) for _ in range(2) for i in (0, 1) for p in PROMPTS]
+        calls = [served.pool.generate(p, GREEDY, replica_index=i) for _ in range(2) for i in (0, 1) for p in PROMPTS]
         return await asyncio.gather(*calls)
 
     results = served.run(main())
@@ -113,7 +115,7 @@ def test_concurrent_requests_on_both_replicas(served, reference):
 def test_leaving_a_stream_early_aborts_the_request_in_its_replica(served):
     async def main() -> tuple[Any, Any]:
         before = (await served.pool.statistics())[1]
-        async for output in served.pool.stream(1, PROMPTS[2], LONG):
+        async for output in served.pool.stream(PROMPTS[2], LONG, replica_index=1):
             assert not output.finished
             break
         return before, (await served.pool.statistics())[1]
@@ -137,7 +139,7 @@ def test_validation_errors_keep_their_type_and_message(served, local_engine):
         errors = []
         for prompt, params in bad_requests:
             with pytest.raises(ValueError) as info:
-                await served.pool.generate(0, prompt, params)
+                await served.pool.generate(prompt, params, replica_index=0)
             errors.append(info.value)
         return errors
 
@@ -147,6 +149,46 @@ def test_validation_errors_keep_their_type_and_message(served, local_engine):
             local_engine.make_sequence("local", prompt, params)
         assert (type(error), str(error)) == (type(expected.value), str(expected.value))
     assert [type(e) for e in errors] == [PromptTooLongError, ValueError, ValueError, InvalidGrammarError]
+
+
+def test_a_capture_through_a_replica_equals_one_in_process(served, local_engine):
+    capture = HiddenCapture(num_layers=1, spans=((2, 9), (12, 30)))
+    seq = local_engine.add_request("local-capture", PROMPTS[2], GREEDY, capture=capture)
+    expected = []
+    while not seq.is_finished:
+        expected += [o.hidden_state for o in local_engine.step() if o.hidden_state is not None]
+
+    async def main() -> Any:
+        return await served.pool.generate(PROMPTS[2], GREEDY, capture=capture, replica_index=1)
+
+    result = served.run(main())
+    assert served.pool.hidden_state_model == local_engine.model.config
+    assert result.token_ids == seq.output_token_ids and len(expected) == 1
+    torch.testing.assert_close(result.hidden_state, expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_capture_that_does_not_fit_is_refused_with_its_type(served):
+    async def main() -> None:
+        await served.pool.generate(PROMPTS[1], GREEDY, capture=HiddenCapture(num_layers=9, spans=((0, 2),)))
+
+    with pytest.raises(InvalidHiddenCaptureError, match="the model has 2"):
+        served.run(main())
+
+
+def test_without_an_index_a_request_goes_to_the_replica_with_fewest_open_streams(served):
+    async def main() -> tuple[int, list[int]]:
+        busy = served.pool.stream(PROMPTS[2], LONG, replica_index=0)
+        async with busy:
+            await busy.__anext__()  # replica 0 now has one open stream
+            before = (await served.pool.statistics())[1].num_steps
+            await served.pool.generate(PROMPTS[1], GREEDY)
+            steps = (await served.pool.statistics())[1].num_steps - before
+            in_flight = [r.num_in_flight for r in served.pool.replicas]
+        await served.pool.statistics()  # a round trip after the abort: replica 0's last events are in
+        return steps, in_flight
+
+    steps, in_flight = served.run(main())
+    assert steps == GREEDY.max_tokens and in_flight == [1, 0]  # replica 1 ran it, alone
 
 
 def test_unknown_error_types_map_to_their_nearest_known_base():
@@ -165,8 +207,8 @@ def test_kv_events_arrive_tagged_with_their_replica_in_order(served):
 
     async def main() -> None:
         unsubscribe = served.pool.subscribe_kv_events(lambda index, event: received.append((index, event)))
-        await served.pool.generate(1, prompt, SamplingParams(temperature=0.0, max_tokens=1))
-        await served.pool.generate(0, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        await served.pool.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), replica_index=1)
+        await served.pool.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), replica_index=0)
         unsubscribe()
 
     served.run(main())
@@ -193,7 +235,7 @@ def test_a_killed_replica_fails_its_streams_and_the_other_keeps_serving(model_di
     async def main() -> None:
         async with ReplicaPool(model_dir, 2, OPTIONS, threads_per_replica=1) as pool:
             victim = pool.replicas[1].pid
-            stream = pool.stream(1, PROMPTS[1], LONG)
+            stream = pool.stream(PROMPTS[1], LONG, replica_index=1)
             await anext(stream)
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(ReplicaDiedError, match=r"replica 1 died \(exit code -9, killed by SIGKILL\)") as info:
@@ -202,8 +244,8 @@ def test_a_killed_replica_fails_its_streams_and_the_other_keeps_serving(model_di
             assert (info.value.replica_index, info.value.exitcode) == (1, -signal.SIGKILL)
             assert not pool.replicas[1].is_alive and is_reaped(victim)
             with pytest.raises(ReplicaDiedError):
-                await pool.generate(1, PROMPTS[0], GREEDY)
-            assert (await pool.generate(0, PROMPTS[0], GREEDY)).token_ids == reference[0]
+                await pool.generate(PROMPTS[0], GREEDY, replica_index=1)
+            assert (await pool.generate(PROMPTS[0], GREEDY, replica_index=0)).token_ids == reference[0]
             assert [s.is_alive for s in await pool.statistics()] == [True, False]
 
     asyncio.run(asyncio.wait_for(main(), 120))
@@ -214,14 +256,14 @@ def test_close_aborts_running_streams_and_reaps_every_replica(model_dir):
         pool = ReplicaPool(model_dir, 1, OPTIONS, threads_per_replica=1)
         await pool.start(timeout=120)
         pid = pool.replicas[0].pid
-        stream = pool.stream(0, PROMPTS[1], LONG)
+        stream = pool.stream(PROMPTS[1], LONG, replica_index=0)
         await anext(stream)
         await pool.close()
         outputs = [output async for output in stream]
         assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.ABORT
         assert not pool.replicas[0].is_alive and pool.replicas[0].exitcode == 0 and is_reaped(pid)
         with pytest.raises(RuntimeError, match="not running"):
-            pool.stream(0, PROMPTS[1])
+            pool.stream(PROMPTS[1], replica_index=0)
         await pool.close()  # idempotent
 
     asyncio.run(asyncio.wait_for(main(), 120))

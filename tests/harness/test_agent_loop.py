@@ -11,8 +11,11 @@ import anyio
 import anyio.lowlevel
 import httpx
 import pytest
+
 from loopstack import Layer, Plugin, PluginCatalog, PluginConfig, StackLoader, StackRuntime, hookimpl
 from loopstack.harness.agent import Agent
+from loopstack.harness.clients.base import ModelClientError
+from loopstack.harness.clients.http import ResponsesHTTPClient
 from loopstack.harness.events import (
     FinalAnswer,
     ModelCalled,
@@ -20,7 +23,6 @@ from loopstack.harness.events import (
     TurnLimitReached,
     TurnStarted,
 )
-from loopstack.harness.clients.base import ModelClientError, ResponsesHTTPClient
 from loopstack.harness.tools.tool import python_tool
 
 

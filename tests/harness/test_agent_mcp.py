@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from loopstack.harness.agent import Agent  # noqa: E402
-from loopstack.harness.events import ToolCalled  # noqa: E402
-from loopstack.harness.tools.mcp import MCPServer  # noqa: E402
+from loopstack.harness.agent import Agent
+from loopstack.harness.events import ToolCalled
+from loopstack.harness.tools.mcp import MCPServer
 
 NOTES_SERVER = Path(__file__).parents[2] / "examples" / "mcp_notes_server.py"
 

@@ -6,13 +6,14 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from loopstack.harness.tools.approval import (
     ApprovalPolicy,
     ToolCallRequest,
     is_safe_command,
     needs_approval,
 )
-from loopstack.harness.tools.sandbox import ShellSandbox, _unshare_works
+from loopstack.harness.tools.sandbox import ShellSandbox, network_isolation_works
 from loopstack.harness.tools.shell import ShellTool
 from loopstack.stack.schema import HarnessConfig
 
@@ -127,4 +128,4 @@ def test_approved_escalation_runs_with_network_and_never_ignores_escalation(tmp_
     ignored = asyncio.run(_tool(tmp_path, "never", None).execute({"command": "ls", "escalate": True}))
     assert approver.requests == [ToolCallRequest("shell", "ls", ".", is_escalated=True)]
     assert escalated.result is not None and not escalated.result.network_isolated
-    assert ignored.result is not None and ignored.result.network_isolated is _unshare_works()  # sandbox default
+    assert ignored.result is not None and ignored.result.network_isolated is network_isolation_works()  # sandbox default

@@ -7,10 +7,10 @@ import logging
 from typing import ClassVar
 
 from loopstack.api.response_builder import ResponseBuilder
-from loopstack.harness.call_stream import CallStreams, observe_stream_event
+from loopstack.catalog import PluginCatalog
+from loopstack.harness.call_stream import CALL_STREAMS, observe_stream_event
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
-from loopstack.catalog import PluginCatalog
 from loopstack.runtime import StackRuntime
 from loopstack.stack.loader import StackLoader
 
@@ -99,4 +99,4 @@ def test_without_a_listening_plugin_nothing_is_kept(tmp_path):
     ctx = _runtime(tmp_path, False).context()
     for event in _stream():
         observe_stream_event(ctx, event)
-    assert Recorder.seen == [] and ctx.state("loopstack.call_stream", CallStreams).open == {}
+    assert Recorder.seen == [] and ctx.state(CALL_STREAMS).open == {}

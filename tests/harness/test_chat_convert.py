@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from loopstack.harness.clients.chat_convert import chat_body, response_of_chat
 
 

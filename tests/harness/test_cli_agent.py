@@ -7,10 +7,11 @@ import json
 
 import anyio
 import pytest
-from tests.support import SHARED_DATA
-from loopstack.cli.main import main
+
 from loopstack.cli.agent import TerminalApprover
+from loopstack.cli.main import main
 from loopstack.harness.tools.approval import ToolCallRequest
+from tests.support import SHARED_DATA
 
 TRAJECTORY = (SHARED_DATA / "trajectories" / "swebench_minisweagent" / "full_trajectories"
               / "django__django-12155.traj.json")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from loopstack.cli.main import main
 
 NOTES_SERVER = Path(__file__).parents[2] / "examples" / "mcp_notes_server.py"

@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from loopstack.harness.agent import Agent
 from loopstack.harness.compaction import compact, estimate_tokens
 from loopstack.harness.events import Compacted, FinalAnswer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from loopstack.cli.demo_agent import run_agent_demo
 
 

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from loopstack.harness.tools.mcp import MCPServer, MCPTool  # noqa: E402
-from loopstack.harness.tools.tool import Tool  # noqa: E402
+from loopstack.harness.tools.mcp import MCPServer, MCPTool
+from loopstack.harness.tools.tool import Tool
 
 NOTES_SERVER = Path(__file__).parents[2] / "examples" / "mcp_notes_server.py"
 

@@ -10,13 +10,14 @@ from typing import Any
 
 import anyio
 import pytest
+
 from loopstack.harness.agent import Agent
+from loopstack.harness.clients.base import ModelClientError
 from loopstack.harness.clients.chat import ChatCompletionsClient
 from loopstack.harness.clients.embedded import EmbeddedClient
-from loopstack.harness.events import FinalAnswer, ModelCalled, ToolCalled
-from loopstack.harness.clients.base import ModelClientError
-from loopstack.harness.tools.tool import python_tool
 from loopstack.harness.clients.websocket import ResponsesWebSocketClient
+from loopstack.harness.events import FinalAnswer, ModelCalled, ToolCalled
+from loopstack.harness.tools.tool import python_tool
 
 
 @python_tool

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from tests.support import SHARED_DATA
+
 from loopstack.harness.agent import Agent
 from loopstack.harness.clients.base import ModelClientError
 from loopstack.harness.clients.replay import ReplayClient, replay
@@ -16,6 +16,7 @@ from loopstack.harness.trajectory import (
     conversation_chars,
     load_trajectory,
 )
+from tests.support import SHARED_DATA
 
 TRAJECTORIES = SHARED_DATA / "trajectories" / "swebench_minisweagent"
 needs_trajectories = pytest.mark.skipif(

@@ -9,11 +9,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from loopstack.harness.tools.sandbox import (
     SandboxViolation,
     ShellResult,
     ShellSandbox,
-    _unshare_works,
+    network_isolation_works,
 )
 from loopstack.harness.tools.shell import ShellTool
 
@@ -127,7 +128,7 @@ def test_parent_environment_does_not_leak(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def _requires_namespaces() -> None:
-    if not _unshare_works():
+    if not network_isolation_works():
         pytest.skip("unshare --map-root-user --net --pid is not permitted here (no unprivileged user namespaces)")
 
 

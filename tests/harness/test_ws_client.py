@@ -8,8 +8,9 @@ import json
 from typing import Any
 
 import pytest
-from loopstack.harness.clients.websocket import ResponsesWebSocketClient
 from websockets.asyncio.server import serve
+
+from loopstack.harness.clients.websocket import ResponsesWebSocketClient
 
 
 class _Ctx:
@@ -18,8 +19,10 @@ class _Ctx:
     def __init__(self) -> None:
         self._state: dict[str, Any] = {}
 
-    def state(self, key: str, factory: Any) -> Any:
-        return self._state.setdefault(key, factory())
+    def state(self, key: Any, factory: Any = None) -> Any:  # a StateKey, or a name and a factory
+        if key not in self._state:
+            self._state[key] = (factory or key.factory)()
+        return self._state[key]
 
     def observe(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -78,8 +81,7 @@ def test_a_client_keeps_only_the_most_recently_used_session_transports_open():
         def __init__(self, transport: Transport) -> None:
             self.hooks = Hooks(transport)
 
-    client = type("Client", (), {"endpoint": None})()
-    client._transports = {}
+    client = type("Client", (), {"endpoint": None, "transports": model_client.TransportCache()})()
     transports = [Transport() for _ in range(model_client.MAX_OPEN_TRANSPORTS + 3)]
 
     async def main() -> None:
@@ -90,4 +92,4 @@ def test_a_client_keeps_only_the_most_recently_used_session_transports_open():
     asyncio.run(main())
     assert [t.closed for t in transports[:4]] == [1, 1, 1, 1]  # 0-2 evicted; 0 comes back and evicts 3
     assert all(t.closed == 0 for t in transports[4:])
-    assert len(client._transports) == model_client.MAX_OPEN_TRANSPORTS
+    assert len(client.transports) == model_client.MAX_OPEN_TRANSPORTS

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import importlib.util
-
 import json
 
 import anyio
@@ -85,7 +84,6 @@ def test_cli_bench_unknown_workload(capsys):
 
 def test_workloads_come_from_the_discovery_hook_and_names_are_unique(catalog):
     import types
-
 
     from loopstack import hookimpl
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import REPO
 from loopstack.cli.main import main
+from tests.support import REPO
 
 
 def test_plugins_lists_the_eight_builtins(capsys):

@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.support import REPO
 from loopstack import PluginCatalog, Session, StackLoader, StackRuntime
+from tests.support import REPO
 
 EXAMPLE = REPO / "examples" / "loopstack-hello"
 

@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from tests.support import REPO
 from loopstack import hookspecs
 from loopstack.hooks import HookFacade
+from tests.support import REPO
 
 HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("loopstack_"))
 

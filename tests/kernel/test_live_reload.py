@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import Recorder
 from loopstack import LiveStack, hookimpl
+from tests.support import Recorder
 
 
 def test_valid_reload_serves_new_requests(catalog, write_stack):

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import anyio
 
-from tests.support import Recorder
 from loopstack import Session, StackLoader, StackRuntime
+from tests.support import Recorder
 
 
 def runtime_for(catalog, write_stack, text):

@@ -11,7 +11,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from loopstack.context import Session
 from loopstack.api.conversation import (
     ConversationError,
     FunctionTool,
@@ -20,6 +19,9 @@ from loopstack.api.conversation import (
     render_prompt,
 )
 from loopstack.api.errors import APIError
+from loopstack.api.generation import generation_inputs
+from loopstack.api.ids import new_id
+from loopstack.api.pipeline import ResponseStream, respond
 from loopstack.api.routes.common import (
     arm_overrides,
     handles_errors,
@@ -28,25 +30,22 @@ from loopstack.api.routes.common import (
     read_json,
     state_of,
 )
-from loopstack.api.routes.responses import TERMINAL, observe
-from loopstack.api.ids import new_id
-from loopstack.api.pipeline import ResponseJob, run_response
-from loopstack.api.schemas import ChatCompletionsRequest, ResponsesRequest
-from loopstack.api.service import Prepared, generation_inputs
 from loopstack.api.routes.sse import encode_data
+from loopstack.api.schemas import ChatCompletionsRequest, ResponsesRequest
+from loopstack.api.service import Prepared
+from loopstack.items import TERMINAL_EVENT_TYPES, function_call_output_item, message_item
 
 
-def _items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items for converted chat ``messages`` (:func:`chat_messages`): what
     the response chain's middlewares read (a guard checks user texts and tool outputs)."""
     items: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
-                          "output": message["content"]})
+            items.append(function_call_output_item(message["tool_call_id"], message["content"]))
             continue
         if message["content"] or not message.get("tool_calls"):
-            items.append({"type": "message", "role": message["role"], "content": message["content"]})
+            items.append(message_item(message["role"], message["content"]))
         for call in message.get("tool_calls", ()):
             arguments = call["function"]["arguments"]
             items.append({"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
@@ -81,7 +80,7 @@ def _prepare(state: Any, body: ChatCompletionsRequest, principal: Any, completio
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
         seed=body.seed, stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
     )
-    items = _items(messages)
+    items = chat_items(messages)
     request = ResponsesRequest(
         model=body.model, input=items, tools=[_response_tool(t) for t in tools], tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls, max_output_tokens=max_tokens, temperature=body.temperature,
@@ -109,7 +108,7 @@ def _tool_call(item: dict[str, Any], index: int) -> dict[str, Any]:
             "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
-def _failure(response: dict[str, Any]) -> APIError:
+def failure_error(response: dict[str, Any]) -> APIError:
     """A failed response as the error a chat client gets: a tripped guard is the request's
     fault (400, with the guard's verdict), anything else the server's (500)."""
     error = dict(response.get("error") or {})
@@ -121,10 +120,10 @@ def _failure(response: dict[str, Any]) -> APIError:
     return APIError(message, status=500, type="server_error")
 
 
-async def _parts(prepared: Prepared, ctx: Any, state: Any) -> AsyncIterator[tuple[str, Any]]:
+async def _parts(response: ResponseStream) -> AsyncIterator[tuple[str, Any]]:
     """("text", delta), ("call", function_call item) and finally ("end", response) from the
-    Responses events of ``prepared`` through the stack's response chain."""
-    async with aclosing(run_response(ResponseJob(state.service, prepared), ctx)) as events:
+    Responses events of ``response``."""
+    async with aclosing(response.__aiter__()) as events:
         async for event in events:
             kind = event["type"]
             if kind == "response.output_text.delta":
@@ -132,7 +131,7 @@ async def _parts(prepared: Prepared, ctx: Any, state: Any) -> AsyncIterator[tupl
             elif kind == "response.output_item.done" and event["item"].get("type") == "function_call":
                 if event["item"].get("status") == "completed":  # not one abandoned mid-stream
                     yield "call", event["item"]
-            elif kind in TERMINAL:
+            elif kind in TERMINAL_EVENT_TYPES:
                 yield "end", event["response"]
 
 
@@ -148,23 +147,22 @@ async def chat_completions(request: Request) -> Response:
     completion_id, created = new_id("chatcmpl"), int(time.time())
     prepared = _prepare(state, body, principal, completion_id)
     model = body.model or state.model_name
-    session = Session(id=body.prompt_cache_key or completion_id, tenant=principal.tenant)
-    started = time.perf_counter()
+    response = respond(state, prepared, principal, overrides=overrides)  # prepared: opening cannot fail
 
     if not body.stream:
-        text, calls, final = [], [], None
-        with state.live.request(session=session, overrides=overrides) as ctx:
-            async for kind, value in _parts(prepared, ctx, state):
+        text: list[str] = []
+        calls: list[dict[str, Any]] = []
+        final: dict[str, Any] | None = None
+        async with response:
+            async for kind, value in _parts(response):
                 if kind == "text":
                     text.append(value)
                 elif kind == "call":
                     calls.append(_tool_call(value, len(calls)))
                 else:
                     final = value
-            if final is not None:
-                observe(ctx, final, time.perf_counter() - started)
         if final is None or final["status"] == "failed":
-            raise _failure(final or {})
+            raise failure_error(final or {})
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text).strip() or None}
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
@@ -183,19 +181,18 @@ async def chat_completions(request: Request) -> Response:
                                                          "finish_reason": finish}]})
 
     async def stream() -> AsyncIterator[bytes]:
-        with state.live.request(session=session, overrides=overrides) as ctx:
+        async with response:
             yield chunk({"role": "assistant", "content": ""})
             num_calls = 0
-            async for kind, value in _parts(prepared, ctx, state):
+            async for kind, value in _parts(response):
                 if kind == "text":
                     yield chunk({"content": value})
                 elif kind == "call":
                     yield chunk({"tool_calls": [_tool_call(value, num_calls)]})
                     num_calls += 1
                 else:
-                    observe(ctx, value, time.perf_counter() - started)
                     if value["status"] == "failed":  # headers are sent: the error goes in the stream
-                        yield encode_data(_failure(value).body())
+                        yield encode_data(failure_error(value).body())
                         break
                     yield chunk({}, _finish_reason(value, num_calls > 0))
                     if include_usage:

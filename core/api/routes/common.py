@@ -10,10 +10,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loopstack.experiments import ArmOverrideError, parse_arm_overrides
 from loopstack.api.auth import AuthError, Principal
 from loopstack.api.errors import APIError, from_validation_error
 from loopstack.api.state import ServerState
+from loopstack.experiments import ArmOverrideError, parse_arm_overrides
 
 
 def state_of(request: Request) -> ServerState:

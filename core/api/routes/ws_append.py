@@ -22,15 +22,14 @@ from loopstack.api.errors import APIError
 
 if TYPE_CHECKING:
     from loopstack.api.auth import Principal
-    from loopstack.api.service import ResponsesService
-    from loopstack.api.store import StoredResponse
+    from loopstack.api.store import ResponseStore, StoredResponse
 
 __all__ = ["APPEND_FIELDS", "append_request_fields"]
 
 APPEND_FIELDS = ("type", "previous_response_id", "input", "store", "metadata")
 
 
-def append_request_fields(message: Mapping[str, Any], service: ResponsesService, principal: Principal,
+def append_request_fields(message: Mapping[str, Any], store: ResponseStore, principal: Principal,
                           local: Mapping[str, StoredResponse] | None) -> dict[str, Any]:
     """The request fields a ``response.append`` message stands for.
 
@@ -48,7 +47,7 @@ def append_request_fields(message: Mapping[str, Any], service: ResponsesService,
                        code="invalid_message")
     record = local.get(previous) if local is not None and previous in local else None
     if record is None:
-        record = service.store.get(previous, tenant=principal.tenant)
+        record = store.get(previous, tenant=principal.tenant)
     if record is None:
         raise APIError(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                        code="previous_response_not_found")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from loopstack.hookspecs import hookimpl
 from loopstack.bench.workload import Workload
 from loopstack.bench.workloads.engine import EngineWorkload
 from loopstack.bench.workloads.kernel import KernelOverheadWorkload
+from loopstack.hookspecs import hookimpl
 
 
 @hookimpl

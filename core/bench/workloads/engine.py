@@ -17,8 +17,8 @@ import importlib.util
 import time
 from typing import Any
 
-from loopstack.stack.schema import ResolvedStack
 from loopstack.bench.workload import BenchOptions, Workload
+from loopstack.stack.schema import ResolvedStack
 
 PREFILL_TOKENS = 1024
 TTFT_TOKENS = 512

@@ -8,10 +8,10 @@ from typing import Any, Protocol
 
 import torch
 
-from loopstack.engine.factory import build_engine
+from loopstack.api.server import engine_from_table
 from loopstack.engine.loaders import load_model, resolve_model_path
 from loopstack.engine.sampling_params import SamplingParams
-from loopstack.stack.schema import EngineConfig
+from loopstack.stack.schema import EngineTable
 
 
 class Backend(Protocol):
@@ -26,10 +26,10 @@ class Backend(Protocol):
 class LoopstackBackend:
     supports_batch = True
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineTable) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        self.engine = build_engine(config)
+        self.engine = engine_from_table(config)
         self.tokenizer = self.engine.tokenizer
 
     def float_model(self) -> Any:

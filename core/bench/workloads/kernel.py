@@ -13,12 +13,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loopstack.context import Session
+from loopstack.bench.workload import BenchOptions, Workload
 from loopstack.catalog import PluginCatalog
+from loopstack.context import Session
 from loopstack.runtime import StackRuntime
 from loopstack.stack.schema import ResolvedStack
 from loopstack.tools import ToolInfo, ToolSet
-from loopstack.bench.workload import BenchOptions, Workload
 
 REQUESTS_PER_STEP = 2000
 NUM_SESSIONS = 64

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from loopstack.engine.capture import LayerCapture
+from loopstack.engine.config import ModelConfig
 from loopstack.engine.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
@@ -22,13 +25,11 @@ from loopstack.engine.model.attention import (
     contiguous_contexts,
     paged_attention,
 )
-from loopstack.engine.config import ModelConfig
-from torch import nn
 
 if TYPE_CHECKING:
     from loopstack.engine.model.native_decode import NativeDecoder
 
-__all__ = ["CausalLM", "LayerCapture", "rope_inv_freq"]
+__all__ = ["CausalLM", "rope_inv_freq"]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -57,7 +58,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self._scaled: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None  # see _scaled_weight
+        self._scaled: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None  # see scaled_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -65,10 +66,10 @@ class RMSNorm(nn.Module):
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) * w == x * (w * sqrt(H)) / hypot(|x|, sqrt(H * eps)): four ops
         # where rms_norm takes ~13, and a decode step runs 61 norms of one row each
-        scaled_weight, eps_term = self._scaled_weight()
+        scaled_weight, eps_term = self.scaled_weight()
         return (x * scaled_weight).div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).hypot_(eps_term))
 
-    def _scaled_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def scaled_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``weight * sqrt(H)`` and ``sqrt(H * eps)``, remade when the weight changes."""
         weight, cached = self.weight, self._scaled
         if cached is None or cached[0] is not weight or cached[1] != weight._version:
@@ -147,19 +148,6 @@ class DecoderLayer(nn.Module):
         x = x + self.attn.forward(h if dtype is None else h.to(dtype), cos, sin, kv_slots, context, meta, mask)
         h = self.post_attn_norm.forward(x)
         return x + self.mlp.forward(h if dtype is None else h.to(dtype))
-
-
-@dataclass(eq=False)
-class LayerCapture:
-    """Rows of the residual stream to keep from one forward (hidden-state capture).
-
-    After the first ``num_layers`` decoder layers, rows ``rows`` (``[R]`` token indices into
-    the batch) are copied out; the forward sets ``hidden`` to them, ``[R, hidden_size]`` float32.
-    """
-
-    num_layers: int
-    rows: torch.Tensor
-    hidden: torch.Tensor | None = None
 
 
 class CausalLM(nn.Module):

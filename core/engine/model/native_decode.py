@@ -87,9 +87,9 @@ class NativeDecoder:
         weights: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.attn, layer.mlp
-            weights += [*layer.input_norm._scaled_weight(), attn.qkv_proj.packed, attn.qkv_proj.scales_and_zeros,
+            weights += [*layer.input_norm.scaled_weight(), attn.qkv_proj.packed, attn.qkv_proj.scales_and_zeros,
                         empty if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
-                        attn.o_proj.packed, attn.o_proj.scales_and_zeros, *layer.post_attn_norm._scaled_weight(),
+                        attn.o_proj.packed, attn.o_proj.scales_and_zeros, *layer.post_attn_norm.scaled_weight(),
                         mlp.gate_up_proj.packed, mlp.gate_up_proj.scales_and_zeros,
                         mlp.down_proj.packed, mlp.down_proj.scales_and_zeros]
         return cls(extension, model, weights, group_sizes.pop(), DENSE_ABOVE_ROWS)

@@ -24,11 +24,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from loopstack.engine.device import cpu_has_fast_bfloat16
 from loopstack.engine.model import int8_dynamic
 from loopstack.engine.model.attention import AttentionMetadata
-from loopstack.engine.device import cpu_has_fast_bfloat16
 from loopstack.engine.model.llama import CausalLM
-from torch import nn
 
 __all__ = [
     "DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "DynamicInt8Linear", "HeadMode", "Int4Linear", "Int8Linear",
@@ -328,7 +329,7 @@ def quantize_model(
         isinstance(m, _WeightOnlyLinear) and m.kernel_dtype == torch.bfloat16
         for m in model.layers.modules() if isinstance(m, (nn.Linear, _WeightOnlyLinear))
     )
-    if is_all_bfloat16:
+    if is_all_bfloat16 and isinstance(model, CausalLM):  # (isinstance again: mypy narrows here only)
         # every projection now computes in bfloat16 on both paths: feed it bfloat16 directly
         model.use_projection_dtype(torch.bfloat16)
     return replaced

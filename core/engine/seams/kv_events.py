@@ -1,6 +1,7 @@
 """KV cache events: which prefix blocks an engine's cache stored and dropped.
 
-A cache-aware router subscribes to these to know which replica holds which prefix ("precise" mode).
+They are the input a cache-aware router needs to know which replica holds which prefix ("precise"
+mode); no router is built yet, so today the block manager publishes them and tests consume them.
 The three event kinds and their payload fields mirror what vLLM publishes over ZeroMQ
 (``vllm.distributed.kv_events``: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``), so one
 consumer reads the embedded engine's events and a remote vLLM replica's events the same way.
@@ -57,8 +58,8 @@ HashFn: TypeAlias = Callable[[bytes | None, Sequence[int], bytes], bytes]
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], salt: bytes = b"") -> bytes:
     """The embedded engine's chained hash of one full block, as published in BlockStored.
 
-    blake2b-128 over a canonical, platform-independent encoding, so a router in another process
-    computes the same hashes for a request's prefix. ``parent_hash`` is ``None`` for a sequence's first
+    blake2b-128 over a canonical, platform-independent encoding, so a consumer in another process
+    (a router) computes the same hashes for a request's prefix. ``parent_hash`` is ``None`` for a sequence's first
     block; only that block is given the ``salt`` (the chain carries it on). Token ids must fit int64.
     """
     digest = hashlib.blake2b(digest_size=16, person=b"loopstack.kv.v1")

@@ -15,7 +15,7 @@ import torch
 
 from loopstack.engine.llm_engine import LLMEngine
 from loopstack.engine.sampling_params import SamplingParams
-from loopstack.engine.sequence import Sequence, SequenceStatus
+from loopstack.engine.sequence import Sequence
 
 __all__ = ["KVHandoff", "export_request", "import_request"]
 
@@ -38,7 +38,9 @@ class KVHandoff:
 
 def export_request(engine: LLMEngine, request_id: str) -> KVHandoff:
     """Snapshot a running request and its computed KV. Raises KeyError if unknown."""
-    seq = engine._seqs[request_id]
+    seq = engine.sequence(request_id)
+    if seq is None:
+        raise KeyError(f"unknown request {request_id!r}")
     exported = engine.block_manager.export_blocks(request_id)
     return KVHandoff(
         request_id=request_id,
@@ -58,6 +60,7 @@ def import_request(engine: LLMEngine, handoff: KVHandoff) -> Sequence:
     if handoff.block_size != engine.block_manager.block_size:
         raise ValueError(f"block size {handoff.block_size} != this engine's {engine.block_manager.block_size}")
     seq = engine.make_sequence(handoff.request_id, handoff.prompt_token_ids, handoff.params, salt=handoff.salt)
+    assert seq.stop_checker is not None  # make_sequence gives every sequence one
     for token in handoff.output_token_ids:
         seq.stop_checker.feed(token)  # text state up to date; the text itself was already sent
         if seq.grammar is not None:
@@ -73,8 +76,5 @@ def import_request(engine: LLMEngine, handoff: KVHandoff) -> Sequence:
     bm.mark_computed(handoff.request_id, handoff.computed_token_ids)
     seq.num_computed_tokens = len(handoff.computed_token_ids)
     seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, len(handoff.prompt_token_ids))
-    seq.admitted = True
-    seq.status = SequenceStatus.RUNNING
-    engine._seqs[seq.request_id] = seq
-    engine.scheduler.running.append(seq)
+    engine.add_running_sequence(seq)
     return seq

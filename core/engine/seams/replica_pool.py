@@ -1,16 +1,18 @@
 """N engine replicas, each in its own process, behind one asyncio interface.
 
-This is the seam a cache-aware router drives: it picks a replica index (from :meth:`ReplicaPool.statistics`,
-:attr:`ReplicaPool.replicas` and the KV events of :meth:`ReplicaPool.subscribe_kv_events`), then streams the
-request from that replica. Each replica is a process running one :class:`LLMEngine` (see
-:mod:`loopstack.engine.seams.replica_worker`); the parent talks to it over one pipe, with a reader and a writer
-thread per replica so the event loop never blocks on a pipe.
+This is the seam a cache-aware router will drive; none is built yet (today only tests use the pool, and
+the server runs one in-process engine). Such a router picks a replica index (from
+:meth:`ReplicaPool.statistics`, :attr:`ReplicaPool.replicas` and the KV events of
+:meth:`ReplicaPool.subscribe_kv_events`) and streams the request from that replica; without one,
+:meth:`ReplicaPool.stream` takes the replica with the fewest open streams. Each replica is a process running
+one :class:`LLMEngine` (see :mod:`loopstack.engine.seams.replica_worker`); the parent talks to it over one
+pipe, with a reader and a writer thread per replica so the event loop never blocks on a pipe.
 
 Example::
 
     async with ReplicaPool("smollm2-135m-instruct", num_replicas=2) as pool:
-        result = await pool.generate(1, prompt_token_ids, SamplingParams(temperature=0))
-        async for output in pool.stream(0, prompt_token_ids):
+        result = await pool.generate(prompt_token_ids, SamplingParams(temperature=0), replica_index=1)
+        async for output in pool.stream(prompt_token_ids, replica_index=0):
             print(output.new_text, end="")
 
 Replicas are started with ``forkserver`` (or ``spawn``), never ``fork``, so a script that creates a pool
@@ -31,11 +33,19 @@ from typing import NamedTuple, TypeAlias
 
 from loopstack.engine.async_engine import GenerationResult
 from loopstack.engine.block_manager import BlockManagerStatistics
-from loopstack.engine.seams.kv_events import KVCacheEvent
+from loopstack.engine.capture import HiddenCapture
+from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import EngineOptions, RequestOutput
 from loopstack.engine.loaders import resolve_model_path
-from loopstack.engine.seams.replica_worker import ChildStatistics, ReplicaDiedError, ReplicaProcess, ReplicaStartError, replica_main
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.kv_events import KVCacheEvent
+from loopstack.engine.seams.replica_worker import (
+    ChildStatistics,
+    ReplicaDiedError,
+    ReplicaProcess,
+    ReplicaStartError,
+    replica_main,
+)
 
 __all__ = [
     "KVEventSubscriber",
@@ -54,7 +64,7 @@ KVEventSubscriber: TypeAlias = Callable[[int, KVCacheEvent], None]
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """A snapshot of one replica, cheap to read on every routing decision."""
+    """A snapshot of one replica, cheap to read (on every routing decision, once a router reads it)."""
 
     index: int
     pid: int | None
@@ -68,7 +78,7 @@ class ReplicaInfo:
 class ReplicaStatistics(NamedTuple):
     """One replica's engine counters; a dead replica reports zeros and ``blocks=None``."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # named as in ReplicaInfo; shadows tuple.index, unused here
     is_alive: bool
     num_in_flight: int
     num_waiting: int
@@ -113,12 +123,12 @@ class ReplicaStream:
 
     def __init__(
         self, pool: ReplicaPool, replica: ReplicaProcess, request_id: str, prompt_token_ids: list[int],
-        params: SamplingParams, salt: str,
+        params: SamplingParams, salt: str, capture: HiddenCapture | None = None,
     ) -> None:
         self.request_id = request_id
         self._pool = pool
         self._replica = replica
-        self._request = (request_id, prompt_token_ids, params, salt)
+        self._request = (request_id, prompt_token_ids, params, salt, capture)
         self._tag: int | None = None
         self._queue: asyncio.Queue[RequestOutput | BaseException] | None = None
         self._is_done = False
@@ -286,44 +296,64 @@ class ReplicaPool:
 
     def stream(
         self,
-        replica_index: int,
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         salt: str = "",
+        capture: HiddenCapture | None = None,
+        replica_index: int | None = None,
     ) -> ReplicaStream:
-        """Stream a request from one replica: ``async for output in pool.stream(0, ids): ...``.
+        """Stream a request from one replica: ``async for output in pool.stream(ids, replica_index=0): ...``.
 
         Yields one :class:`RequestOutput` per engine step that touched the request; the last has
         ``finished=True``. The first iteration raises the replica's validation error
-        (PromptTooLongError, InvalidGrammarError, ValueError, ...) or :class:`ReplicaDiedError`; a
-        replica that dies later ends the stream with :class:`ReplicaDiedError`.
+        (PromptTooLongError, InvalidGrammarError, InvalidHiddenCaptureError, ValueError, ...) or
+        :class:`ReplicaDiedError`; a replica that dies later ends the stream with :class:`ReplicaDiedError`.
+
+        Args:
+            capture: a hidden-state capture, delivered on one output as in
+                :meth:`AsyncEngine.stream <loopstack.engine.AsyncEngine.stream>`.
+            replica_index: the replica to run on (a router's choice); None: the live replica with the
+                fewest open streams, the lowest index on a tie.
 
         Raises:
             IndexError: no such replica.
             RuntimeError: the pool is not running.
         """
         self._check_running()
+        if replica_index is None:
+            replica_index = self._least_busy_index()
         if not 0 <= replica_index < self.num_replicas:
             raise IndexError(f"replica_index must be in [0, {self.num_replicas}), got {replica_index}")
         request_id = request_id or f"pool-{replica_index}-{next(self._ids)}"
         return ReplicaStream(
-            self, self._replicas[replica_index], request_id, list(prompt_token_ids), params or SamplingParams(), salt
+            self, self._replicas[replica_index], request_id, list(prompt_token_ids), params or SamplingParams(), salt,
+            capture,
         )
 
     async def generate(
         self,
-        replica_index: int,
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         salt: str = "",
+        capture: HiddenCapture | None = None,
+        replica_index: int | None = None,
     ) -> GenerationResult:
         """Run one request to the end on one replica; raises like :meth:`stream`."""
-        async with self.stream(replica_index, prompt_token_ids, params, request_id=request_id, salt=salt) as stream:
+        stream = self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
+                             replica_index=replica_index)
+        async with stream:
             return await GenerationResult.collect(stream)
+
+    @property
+    def hidden_state_model(self) -> ModelConfig | None:
+        """The replicas' model shape, what a capture's vector belongs to; None before :meth:`start`
+        has seen a replica ready (every replica loads the same model)."""
+        ready = next((r.ready_info for r in self._replicas if r.ready_info is not None), None)
+        return ready.model_config if ready is not None else None
 
     # -- routing inputs -------------------------------------------------------------------------------
 
@@ -358,6 +388,10 @@ class ReplicaPool:
         return unsubscribe
 
     # -- internals ------------------------------------------------------------------------------------
+
+    def _least_busy_index(self) -> int:
+        live = [r for r in self._replicas if r.is_alive] or self._replicas
+        return min(live, key=lambda r: (len(r.streams), r.index)).index
 
     def _check_running(self) -> None:
         if self._state != "running":

@@ -4,7 +4,8 @@ Used by :class:`~loopstack.engine.seams.replica_pool.ReplicaPool`. The child (:f
 model, builds an :class:`LLMEngine`, and serves one duplex pipe from a single thread: between two engine
 steps it drains the pipe (adds, aborts, statistics requests), so requests apply in the order the parent
 sent them and no lock is needed. KV events collected during a step travel in the same message as that
-step's outputs, events first, so a router learns of stored blocks before the request ends.
+step's outputs, events first, so a subscriber (a future cache-aware router) learns of stored blocks
+before the request ends.
 
 The parent's :class:`ReplicaProcess` has a reader thread (pipe -> event loop) and a writer thread
 (outbox -> pipe), so the event loop never blocks on a pipe, and it notices a dead child by EOF or by the
@@ -14,7 +15,7 @@ Wire format: every message is a pickled tuple whose first item names it.
 
 Parent -> child::
 
-    ("add", tag, request_id, prompt_token_ids, params, salt)
+    ("add", tag, request_id, prompt_token_ids, params, salt, capture)   # capture: HiddenCapture | None
     ("abort", tag)
     ("stats", token)
     ("shutdown",)                                    # abort what runs, reply, exit 0
@@ -51,13 +52,15 @@ from typing import Any, NamedTuple
 import torch
 
 from loopstack.engine.block_manager import BlockManagerStatistics
+from loopstack.engine.capture import InvalidHiddenCaptureError
+from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import EngineError
-from loopstack.engine.text.grammar import InvalidGrammarError
-from loopstack.engine.seams.kv_events import KVCacheEvent, KVEventBus
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError, RequestOutput
 from loopstack.engine.loaders import load_model
 from loopstack.engine.sampling_params import InvalidSamplingParamsError
+from loopstack.engine.seams.kv_events import KVCacheEvent, KVEventBus
 from loopstack.engine.sequence import FinishReason
+from loopstack.engine.text.grammar import InvalidGrammarError
 
 __all__ = [
     "ChildStatistics",
@@ -93,6 +96,7 @@ class ReplicaReady(NamedTuple):
     pid: int
     num_kv_blocks: int
     max_model_len: int
+    model_config: ModelConfig
 
 
 class ChildStatistics(NamedTuple):
@@ -112,7 +116,10 @@ def error_type_paths(exc: BaseException) -> list[str]:
 # errors a child may raise while validating a request, re-raised in the parent with their own type
 _REQUEST_ERRORS: dict[str, type[Exception]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls
-    for cls in (PromptTooLongError, InvalidSamplingParamsError, InvalidGrammarError, ValueError, TypeError)
+    for cls in (
+        PromptTooLongError, InvalidSamplingParamsError, InvalidGrammarError, InvalidHiddenCaptureError, ValueError,
+        TypeError,
+    )
 }
 
 
@@ -150,7 +157,8 @@ def replica_main(
         conn.close()
         sys.exit(1)
     server = _ReplicaServer(conn, engine, bus)
-    conn.send(("ready", ReplicaReady(os.getpid(), engine.block_manager.num_blocks, engine.max_model_len)))
+    ready = ReplicaReady(os.getpid(), engine.block_manager.num_blocks, engine.max_model_len, engine.model.config)
+    conn.send(("ready", ready))
     try:
         server.serve()
     finally:
@@ -187,9 +195,9 @@ class _ReplicaServer:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "add":
-            _, tag, request_id, prompt_token_ids, params, salt = message
+            _, tag, request_id, prompt_token_ids, params, salt, capture = message
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt)
+                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture)
             except Exception as exc:  # validation: the request never entered the engine
                 self._send(("rejected", tag, error_type_paths(exc), str(exc)))
                 return

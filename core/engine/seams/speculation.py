@@ -4,8 +4,8 @@ gpt-fast style, for one running sequence in decode state (every token but the la
 its KV): write the drafts' KV and score the k+1 positions in one target forward, keep
 the longest prefix of drafts the target agrees with plus the target's own next token,
 and roll the rejected drafts' KV back. Greedy acceptance is exact, so the output equals
-plain greedy decoding token for token. (Sampling with rejection sampling is the
-``spec_decode`` plugin's job; it uses the same seam.)
+plain greedy decoding token for token. (Sampling with rejection sampling will be the
+``spec_decode`` plugin's job, on the same seam; that plugin is declared, not built yet.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def verify_greedy(engine: LLMEngine, request_id: str, draft_token_ids: Seq[int])
 
     Raises ValueError if the request is unknown, not greedy, or still prefilling.
     """
-    seq = engine._seqs.get(request_id)
+    seq = engine.sequence(request_id)
     if seq is None or not seq.params.is_greedy or seq.num_uncomputed != 1:
         raise ValueError(f"{request_id!r} is not a running greedy request in decode state")
     bm = engine.block_manager
@@ -58,7 +58,7 @@ def verify_greedy(engine: LLMEngine, request_id: str, draft_token_ids: Seq[int])
     bm.mark_computed(request_id, tokens[:kept])
     outputs = []
     for token in draft[:num_accepted] + [target[num_accepted]]:
-        outputs.append(engine._append_token(seq, token, None, None))
+        outputs.append(engine.append_token(seq, token))
         if seq.is_finished:
             break
     return VerifyResult(len(draft), num_accepted, outputs)

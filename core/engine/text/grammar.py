@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 

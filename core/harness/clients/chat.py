@@ -18,28 +18,14 @@ from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
+from loopstack.harness.clients.base import ModelClientError, TextCallback, record_request_bytes
 from loopstack.harness.clients.chat_convert import chat_body, response_of_chat
-from loopstack.harness.clients.base import (
-    ModelClientError,
-    ResponsesHTTPStatistics,
-    TextCallback,
-    record_request_bytes,
-)
+from loopstack.harness.clients.http import ResponsesHTTPStatistics, error_of_response
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
 
 __all__ = ["ChatCompletionsClient"]
-
-
-def _error_of(response: httpx.Response) -> ModelClientError:
-    try:
-        error = response.json().get("error") or {}
-        if isinstance(error, str):  # some servers send {"error": "text"}
-            return ModelClientError(response.status_code, error)
-        return ModelClientError(response.status_code, str(error.get("message") or response.text), error.get("code"))
-    except (ValueError, AttributeError):
-        return ModelClientError(response.status_code, response.text or response.reason_phrase)
 
 
 class _StreamedCompletion:
@@ -124,7 +110,7 @@ class ChatCompletionsClient:
         response = await self._http.post("/chat/completions", content=data)
         self._bytes_received += len(response.content)
         if response.status_code >= 400:
-            raise _error_of(response)
+            raise error_of_response(response)
         return response.json()
 
     async def _post_streaming(self, data: bytes, on_text_delta: TextCallback) -> dict[str, Any]:
@@ -133,7 +119,7 @@ class ChatCompletionsClient:
             if response.status_code >= 400:
                 await response.aread()
                 self._bytes_received += len(response.content)
-                raise _error_of(response)
+                raise error_of_response(response)
             done = False  # read to the end, as ResponsesHTTPClient does (no iterator left to the GC)
             async for line in response.aiter_lines():
                 self._bytes_received += len(line) + 1

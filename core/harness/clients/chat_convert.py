@@ -4,62 +4,25 @@ The agent loop speaks the Responses API; most open engines (vLLM, SGLang, llama.
 server, Ollama) speak OpenAI Chat Completions. These pure functions translate both ways
 so :class:`loopstack.harness.clients.chat.ChatCompletionsClient` is a thin transport.
 
-Mapping: ``instructions`` becomes the system message; ``message`` items keep their role;
-``function_call`` items become the ``tool_calls`` of one assistant message (merged with
-the assistant text before them); ``function_call_output`` and ``tool_search_output`` items
-become ``tool`` messages (a tool search's schemas travel as text: a chat server has no
-way to register tools mid-conversation). ``text.format`` maps to ``response_format``.
+Mapping: the messages are :func:`loopstack.items.items_to_chat_messages`'s (lenient), the
+converter the API renders its prompts from: ``instructions`` becomes the system message;
+``message`` items keep their role; ``function_call`` items become the ``tool_calls`` of one
+assistant message (merged with the assistant text before them); ``function_call_output`` and
+``tool_search_output`` items become ``tool`` messages (a tool search's schemas travel as text:
+a chat server has no way to register tools mid-conversation). ``text.format`` maps to
+``response_format``.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["chat_body", "chat_messages_of", "response_of_chat"]
+from loopstack.items import items_to_chat_messages
+
+__all__ = ["chat_body", "response_of_chat"]
 
 _SAMPLING = ("temperature", "top_p", "seed")
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    parts = content or []
-    return "".join(p.get("text", "") for p in parts if isinstance(p, Mapping))
-
-
-def chat_messages_of(instructions: str | None, items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The chat ``messages`` for a Responses ``instructions`` + ``input``."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    for index, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role", "user")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"))})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": _arguments(item.get("arguments"))}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind in ("function_call_output", "tool_search_output"):
-            content = str(item.get("output", ""))
-            if kind == "tool_search_output" and item.get("tools"):
-                content += "\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in item["tools"])
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""), "content": content})
-        else:
-            raise ValueError(f"input[{index}]: item type {kind!r} has no Chat Completions equivalent; "
-                             "allowed: message, function_call, function_call_output, tool_search_output")
-    return messages
-
-
-def _arguments(raw: Any) -> str:
-    return raw if isinstance(raw, str) else json.dumps(raw or {}, ensure_ascii=False)
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -69,10 +32,15 @@ def _tool_choice(choice: Any) -> Any:
 
 
 def chat_body(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The Chat Completions body for a Responses request (``stream`` is left to the caller)."""
+    """The Chat Completions body for a Responses request (``stream`` is left to the caller).
+
+    Raises:
+        ConversationError: an input item with no chat equivalent (the message names it).
+    """
     body: dict[str, Any] = {
         "model": request.get("model", "default"),
-        "messages": chat_messages_of(request.get("instructions"), request.get("input") or []),
+        # lenient: the server judges the conversation (and names what it refuses)
+        "messages": items_to_chat_messages(request.get("instructions"), request.get("input") or [], strict=False),
     }
     tools = [t for t in request.get("tools") or [] if t.get("type", "function") == "function"]
     if tools:

@@ -24,7 +24,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loopstack.tools import ToolInfo
 from loopstack.harness.clients.base import (
     ModelClient,
     ModelClientError,
@@ -34,6 +33,7 @@ from loopstack.harness.clients.base import (
 )
 from loopstack.harness.tools.tool import ToolResult
 from loopstack.harness.trajectory import RecordedCall, Trajectory, conversation_chars
+from loopstack.tools import ToolInfo
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext

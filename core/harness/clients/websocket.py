@@ -38,17 +38,17 @@ import anyio
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from loopstack.harness.call_stream import observe_stream_event
 from loopstack.harness.clients.base import (
     ModelClientError,
     ServerEndpoint,
     TextCallback,
+    TransportCache,
     dispatch,
-    final_response,
     observe_call_bytes,
     record_request_bytes,
     serialize_request,
 )
+from loopstack.harness.clients.stream import ResponseStreamReader
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
@@ -62,7 +62,6 @@ __all__ = [
     "create_message",
     "websocket_url",
 ]
-
 
 
 class WebSocketRefusedError(ModelClientError):
@@ -163,7 +162,7 @@ class ResponsesWebSocketClient:
         self._connection: ClientConnection | None = None
         self._opened_at = 0.0
         self._lock = anyio.Lock()  # one response at a time per connection
-        self._transports: dict[int, Any] = {}  # closed by aclose (a session may outlive its calls)
+        self.transports = TransportCache()  # what a loopstack_client_transport plugin gave; closed by aclose
         self._num_requests = self._num_errors = self._bytes_sent = self._bytes_received = self._setups = 0
         self._rotations = self._reconnect_attempts = 0
 
@@ -176,6 +175,12 @@ class ResponsesWebSocketClient:
     @property
     def is_connected(self) -> bool:
         return self._connection is not None
+
+    @property
+    def latency(self) -> float | None:
+        """The connection's last keepalive round trip in seconds (0 before the first pong);
+        None when not connected."""
+        return self._connection.latency if self._connection is not None else None
 
     async def create(
         self, request: dict[str, Any], ctx: RequestContext, *, on_text_delta: TextCallback | None = None
@@ -219,6 +224,7 @@ class ResponsesWebSocketClient:
 
     async def _exchange(self, message: str, ctx: RequestContext, on_text_delta: TextCallback | None) -> dict[str, Any]:
         connection = await self._connect()
+        reader = ResponseStreamReader(ctx, on_text_delta, failed_status=500, error_status=400)
         try:
             await connection.send(message)
             self._bytes_sent += len(message.encode())
@@ -227,12 +233,8 @@ class ResponsesWebSocketClient:
                 raw = await self._receive(connection, is_first)
                 is_first = False
                 self._bytes_received += len(raw)
-                event = json.loads(raw)
-                observe_stream_event(ctx, event)
-                if event.get("type") == "response.output_text.delta" and on_text_delta is not None:
-                    on_text_delta(event.get("delta", ""))
-                elif (final := final_response(event, failed_status=500, error_status=400)) is not None:
-                    return final
+                if (response := reader.feed(json.loads(raw))) is not None:
+                    return response
         except ConnectionClosed as exc:
             await self._drop()
             raise ConnectionLostError(503, f"the WebSocket closed before the response finished: {exc}",
@@ -293,9 +295,7 @@ class ResponsesWebSocketClient:
 
     async def aclose(self) -> None:
         """Close the connection and every transport that carried this client's calls."""
-        transports, self._transports = list(self._transports.values()), {}
-        for transport in transports:
-            await transport.aclose()
+        await self.transports.aclose()
         await self._drop()
 
     async def __aenter__(self) -> Self:

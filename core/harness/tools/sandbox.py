@@ -86,7 +86,7 @@ class ShellSandboxStatistics(NamedTuple):
 
 
 @functools.cache
-def _unshare_works() -> bool:
+def network_isolation_works() -> bool:
     """Whether unprivileged user+net+pid namespaces work here (probed once per process)."""
     try:
         probe = subprocess.run([*_UNSHARE_ARGS, "/bin/true"], capture_output=True, timeout=5, check=False)
@@ -176,7 +176,7 @@ class ShellSandbox:
         """
         workdir = self.resolve_cwd(cwd)
         allow = self.allow_network if allow_network is None else allow_network
-        isolate = not allow and await asyncio.to_thread(_unshare_works)
+        isolate = not allow and await asyncio.to_thread(network_isolation_works)
         if not allow:
             self._network_isolated = isolate
         argv = [*_UNSHARE_ARGS, "/bin/sh", "-c", command] if isolate else ["/bin/sh", "-c", command]

@@ -19,11 +19,11 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from loopstack.stack.schema import HarnessConfig
-from loopstack.tools import ToolInfo
 from loopstack.harness.tools.approval import ApprovalPolicy, Approver, ToolCallRequest, needs_approval
 from loopstack.harness.tools.sandbox import SandboxViolation, ShellResult, ShellSandbox
 from loopstack.harness.tools.tool import ToolResult
+from loopstack.stack.schema import HarnessConfig
+from loopstack.tools import ToolInfo
 
 SHELL_TOOL_NAME = "shell"
 _PARAMETERS: dict[str, Any] = {

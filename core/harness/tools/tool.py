@@ -155,7 +155,7 @@ class PythonTool:
             else:
                 value = await anyio.to_thread.run_sync(lambda: self.fn(**kwargs))
             return ToolResult(serialize_result(value))
-        except Exception as error:  # noqa: BLE001 - the model reads the failure and may retry
+        except Exception as error:  # the model reads the failure and may retry
             return ToolResult(f"{type(error).__name__}: {error}", is_error=True)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
 from loopstack.harness.tools.tool import PythonTool, python_tool
 
 REGISTRY_FILE = Path("docker_mcp_registry") / "docker_mcp_registry_tools.jsonl"
@@ -119,10 +120,6 @@ class Task:
     levels: tuple[Callable[[Outputs], list[Call]], ...]
     answer: Callable[[Outputs], Any]
     program: str
-
-
-def _by_key(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def fanout(registry: Registry, count: int) -> Task:

@@ -31,17 +31,17 @@ import time
 from typing import Any
 
 import anyio
-from loopstack.harness.agent import Agent
-from loopstack.harness.events import ToolCalled
-from loopstack.harness.tools.tool import python_tool
 
 from loopstack.bench.workload import BenchOptions, Workload
 from loopstack.catalog import PluginCatalog
-from loopstack.runtime import StackRuntime
-from loopstack.stack.schema import ResolvedStack
+from loopstack.harness.agent import Agent
+from loopstack.harness.events import ToolCalled
+from loopstack.harness.tools.tool import python_tool
 from loopstack.plugins.code_mode.bench.tasks import LATENCY_S, REGISTRY_FILE, Outputs, Registry, Task, all_tasks
 from loopstack.plugins.code_mode.plugin import CodeMode
 from loopstack.plugins.code_mode.sandbox import V8Sandbox
+from loopstack.runtime import StackRuntime
+from loopstack.stack.schema import ResolvedStack
 
 ONE_CALL_PER_TURN = "/one-call-per-turn"
 OVERHEAD_RUNS = 20

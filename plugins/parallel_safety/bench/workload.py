@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopstack.hookspecs import hookimpl
-from loopstack.plugin import Layer, Plugin, PluginConfig
 from pydantic import Field
 
 from loopstack.bench.workload import BenchOptions, Workload
+from loopstack.hookspecs import hookimpl
+from loopstack.plugin import Layer, Plugin, PluginConfig
 from loopstack.stack.schema import ResolvedStack
 
 MODES = ("sequential", "stream_then_cut", "hold_until_pass")
@@ -94,17 +94,17 @@ class SafetyWorkload(Workload):
         return ["sequential", "no_guard", "hold_until_pass", "stream_then_cut"]
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
+        from loopstack.api.server import engine_from_table
         from loopstack.api.service import ResponsesService
         from loopstack.api.store import ResponseStore
-        from loopstack.engine import AsyncEngine, build_engine
-
-        from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
+        from loopstack.engine import AsyncEngine
         from loopstack.plugins.parallel_safety.bench.dataset import jailbreak_prompts
+        from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
 
         self.delays = DELAYS_MS[::3] if options.quick else DELAYS_MS
         self.lengths = PROMPT_TOKENS[:1] if options.quick else PROMPT_TOKENS
         self._tmp = tempfile.TemporaryDirectory()
-        self.engine = AsyncEngine(build_engine(stacks[0].engine))
+        self.engine = AsyncEngine(engine_from_table(stacks[0].engine))
         self.store = ResponseStore(Path(self._tmp.name) / "store.sqlite3", ttl_s=3600)
         self.service = ResponsesService(self.engine, self.store, model_name=stacks[0].engine.model)
         self.classifier = _GuardSource.classifier = ClassifierGuard()
@@ -187,13 +187,7 @@ class SafetyWorkload(Workload):
 
     async def _settle(self) -> None:
         # a cancelled check's forward keeps running on its thread: let it end before the next request
-        lock = self.classifier.features._lock
-
-        def wait_for_forward() -> None:
-            with lock:
-                pass
-
-        await asyncio.to_thread(wait_for_forward)
+        await asyncio.to_thread(self.classifier.features.wait_idle)
         await asyncio.sleep(0.02)
 
     async def _guard_seconds(self, text: str, delay_ms: int) -> float:

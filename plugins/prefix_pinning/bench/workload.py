@@ -92,10 +92,9 @@ class _Timed:
 
 
 def reset_prefix_cache(engine: Any) -> None:
-    """Empty an idle :class:`~loopstack.engine.AsyncEngine`'s prefix cache (between sessions:
-    each starts cold). Holds the engine loop's lock, so the loop thread never sees it half done."""
-    with engine._cond:
-        engine.engine.block_manager.reset_prefix_cache()
+    """Empty an :class:`~loopstack.engine.AsyncEngine`'s prefix cache between sessions (each
+    starts cold); the engine does it on its loop thread, between two steps."""
+    engine.reset_prefix_cache()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -121,15 +120,14 @@ class PrefixWorkload(Workload):
         return list(COLUMNS)
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
-        from loopstack.api.server import build_state
-        from loopstack.engine import AsyncEngine, build_engine
+        from loopstack.api.server import build_state, engine_from_table
+        from loopstack.catalog import PluginCatalog
+        from loopstack.engine import AsyncEngine
         from loopstack.harness.clients.embedded import EmbeddedClient
         from loopstack.harness.trajectory import load_trajectory
-        from loopstack.catalog import PluginCatalog
+        from loopstack.plugins.prefix_pinning.bench.data import bench_tools, trajectory_paths
         from loopstack.runtime import StackRuntime
         from loopstack.stack.loader import StackLoader
-
-        from loopstack.plugins.prefix_pinning.bench.data import bench_tools, trajectory_paths
         from loopstack.testing.faults import UnstableHarness
 
         # breaks are counted in the metrics; one warning line per break would bury the table
@@ -148,7 +146,7 @@ class PrefixWorkload(Workload):
             path = Path(self._tmp.name) / f"{column}.toml"
             path.write_text(_STACK.format(column=column, base=base, enabled=str(column == "pinned").lower()))
             stack_paths[column] = path
-        self._engine = AsyncEngine(build_engine(stacks[0].engine))
+        self._engine = AsyncEngine(engine_from_table(stacks[0].engine))
         for column in columns:
             self._clients[column] = EmbeddedClient(build_state(stack_paths[column], catalog=catalog,
                                                                engine=self._engine, store_path=":memory:"))

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopstack.tools import ToolInfo
-
 from loopstack.plugins.tool_search.docs import parameter_text
-from loopstack.plugins.tool_search.index import ToolDoc
+from loopstack.plugins.tool_search.retrieval.index import ToolDoc
+from loopstack.tools import ToolInfo
 
 __all__ = [
     "CATALOGS", "RETRIEVAL_SETS", "Query", "RetrievalSet", "docker_registry", "github_mcp", "load_catalog",

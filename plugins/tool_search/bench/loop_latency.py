@@ -19,16 +19,15 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from loopstack.harness.tools.tool import ToolResult
-from loopstack.tools import ToolInfo
 from tqdm import tqdm
 
+from loopstack.harness.tools.tool import ToolResult
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
+from loopstack.tools import ToolInfo
 
 if TYPE_CHECKING:
-    from loopstack.runtime import StackRuntime
-
     from loopstack.plugins.tool_search.plugin import ToolSearch
+    from loopstack.runtime import StackRuntime
 
 __all__ = ["LOOP_INSTRUCTIONS", "measure_loop_wait"]
 

@@ -24,15 +24,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loopstack.bench.workload import BenchOptions, Workload
-from loopstack.context import Session
-from loopstack.catalog import PluginCatalog
-from loopstack.runtime import StackRuntime
-from loopstack.stack.schema import ResolvedStack
-from loopstack.tools import ToolInfo, ToolSet
 from tqdm import tqdm
 
-from loopstack.plugins.tool_search.catalog import CatalogIndex
+from loopstack.bench.workload import BenchOptions, Workload
+from loopstack.catalog import PluginCatalog
+from loopstack.context import Session
 from loopstack.plugins.tool_search.bench.datasets import (
     CATALOGS,
     RETRIEVAL_SETS,
@@ -41,20 +37,24 @@ from loopstack.plugins.tool_search.bench.datasets import (
     load_catalog,
     load_retrieval_set,
 )
-from loopstack.plugins.tool_search.docs import function_tool
-from loopstack.plugins.tool_search.hybrid import HybridIndex
 from loopstack.plugins.tool_search.bench.loop_latency import LOOP_INSTRUCTIONS, measure_loop_wait
-from loopstack.plugins.tool_search.minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
+from loopstack.plugins.tool_search.bench.quality import build_index, evaluate, evaluate_learned, lexical_overlap
+from loopstack.plugins.tool_search.catalog import CatalogIndex
+from loopstack.plugins.tool_search.docs import function_tool
 from loopstack.plugins.tool_search.plugin import ToolSearch
-from loopstack.plugins.tool_search.retrieval import build_index, evaluate, evaluate_learned, lexical_overlap
+from loopstack.plugins.tool_search.retrieval.hybrid import HybridIndex
+from loopstack.plugins.tool_search.retrieval.minilm import WEIGHTS_SHA256, EmbeddingModelUnavailable
+from loopstack.plugins.tool_search.retrieval.terms import STEMMER
+from loopstack.plugins.tool_search.retrieval.vector_store import VectorStore
 from loopstack.plugins.tool_search.schema_tokens import schema_tokens
 from loopstack.plugins.tool_search.search import ToolSearchTool, search_tools_async
-from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools
-from loopstack.plugins.tool_search.terms import STEMMER
-from loopstack.plugins.tool_search.vector_store import VectorStore
+from loopstack.plugins.tool_search.state import REQUEST_TOOLS
+from loopstack.runtime import StackRuntime
+from loopstack.stack.schema import ResolvedStack
+from loopstack.tools import ToolInfo, ToolSet
 
 if TYPE_CHECKING:
-    from loopstack.plugins.tool_search.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
 __all__ = ["ToolSearchWorkload"]
 
@@ -88,7 +88,7 @@ class _Column:
         if self.plugin.retriever == "hybrid":
             return self.plugin.embedder()
         try:  # a BM25 stack: measure hybrid beside it where the package is there
-            from loopstack.plugins.tool_search.embedder import load_embedder
+            from loopstack.plugins.tool_search.retrieval.embedder import load_embedder
 
             return load_embedder(max_query_tokens=self.plugin.config.max_query_tokens,
                                  device=self.plugin.config.embedding_device)
@@ -285,14 +285,14 @@ class ToolSearchWorkload(Workload):
         ctx = state.runtime.context(session=Session())
         tools = ToolSet([*infos, ToolSearchTool(ctx, top_k=cfg.top_k, max_query_chars=cfg.max_query_chars).info])
         if suffix:  # the other retriever: the same request state around its own catalog
-            request_tools = ctx.state(STATE_KEY, RequestTools)
+            request_tools = ctx.state(REQUEST_TOOLS)
             request_tools.deferred = {info.name: info for info in infos}
             request_tools.catalog = CatalogIndex(state.plugin.weights, k1=cfg.k1, b=cfg.b,
                                                  embedder=state.embedder(retriever), dense_weight=cfg.dense_weight,
                                                  min_similarity=cfg.min_similarity)
         else:
             state.plugin.loopstack_visible_tools(tools=tools, ctx=ctx)
-            request_tools = ctx.state(STATE_KEY, RequestTools)  # what a turn's visible_tools leaves
+            request_tools = ctx.state(REQUEST_TOOLS)  # what a turn's visible_tools leaves
         assert request_tools.catalog is not None
         request_tools.sync()  # built on a request's first search; not timed here
         for query in _WARM_UP:  # first calls into torch allocate; not what a search costs
@@ -302,7 +302,7 @@ class ToolSearchWorkload(Workload):
         cpu: list[float] = []
         for query in tqdm(self._latency_queries(), desc=f"  search latency ({retriever})", leave=False, unit="q"):
             ctx = state.runtime.context(session=Session())  # a fresh session: every hit loads
-            ctx.state(STATE_KEY, lambda: request_tools)
+            vars(ctx.state(REQUEST_TOOLS)).update(vars(request_tools))  # the prepared catalog, as is
             started, started_cpu = time.perf_counter(), time.process_time()
             # the tool's own path: the search on the plugin's worker thread, awaited
             await search_tools_async(ctx, query, limit=cfg.top_k, max_query_chars=cfg.max_query_chars,

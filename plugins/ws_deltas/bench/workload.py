@@ -60,6 +60,7 @@ class _TLSServer:
 
     def __init__(self, state: Any, tls: Any) -> None:
         import uvicorn
+
         from loopstack.api.app import create_app
 
         config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
@@ -117,7 +118,6 @@ class TransportWorkload(Workload):
         from loopstack import PluginCatalog, StackLoader, StackRuntime
         from loopstack.api.server import build_state
         from loopstack.harness.trajectory import load_trajectory
-
         from loopstack.testing.loopback_tls import make_loopback_tls
         from loopstack.testing.scripted_engine import ScriptedEngine, default_tokenizer
 
@@ -155,9 +155,9 @@ class TransportWorkload(Workload):
 
     async def step(self, column: str, index: int) -> dict[str, float]:
         from loopstack.harness.agent import Agent
-        from loopstack.harness.events import ModelCalled
-        from loopstack.harness.clients.base import ResponsesHTTPClient
+        from loopstack.harness.clients.http import ResponsesHTTPClient
         from loopstack.harness.clients.replay import ReplayClient
+        from loopstack.harness.events import ModelCalled
 
         trajectory = self._trajectories[index % len(self._trajectories)]
         turns = trajectory.turns[: self._max_turns] if self._max_turns else trajectory.turns

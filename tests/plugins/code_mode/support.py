@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
 from loopstack import PluginCatalog, StackLoader, StackRuntime
 
 

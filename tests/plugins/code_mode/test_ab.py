@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.plugins.code_mode.support import ScriptedModel, call_item, exec_item, run, runtime_for, text_item
 from loopstack import Session
 from loopstack.cli.ab_report import compare_arms
 from loopstack.cli.main import main
 from loopstack.harness.agent import Agent
 from loopstack.harness.events import ModelCalled
 from loopstack.harness.tools.tool import python_tool
+from tests.plugins.code_mode.support import ScriptedModel, call_item, exec_item, run, runtime_for, text_item
 
 AB_STACK = """
 [plugins.code_mode]

@@ -6,13 +6,14 @@ import json
 
 import anyio
 import pytest
-from tests.plugins.code_mode.support import run
-from tests.support import REPO, SHARED_DATA
+
 from loopstack import PluginCatalog, StackLoader
 from loopstack.bench import BenchOptions, run_bench
 from loopstack.plugins import code_mode
-from loopstack.plugins.code_mode.bench.workload import CodeModeWorkload, TaskModel
 from loopstack.plugins.code_mode.bench.tasks import Call, Task
+from loopstack.plugins.code_mode.bench.workload import CodeModeWorkload, TaskModel
+from tests.plugins.code_mode.support import run
+from tests.support import REPO, SHARED_DATA
 
 STACKS = REPO / "plugins" / "code_mode" / "stacks"
 

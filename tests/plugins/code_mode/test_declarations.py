@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from pydantic import Field
+
 from loopstack.harness.tools.tool import python_tool
 from loopstack.plugins.code_mode.declarations import declare_tools, schema_to_type
 from loopstack.tools import ToolInfo
-from pydantic import Field
 
 
 def test_required_optional_docs_and_enums_from_a_python_tool():
@@ -17,7 +18,7 @@ def test_required_optional_docs_and_enums_from_a_python_tool():
         """Current weather in a city."""
         return {}
 
-    assert declare_tools([get_weather.info]) == "\n".join([  # noqa: FLY002 - one line per line
+    assert declare_tools([get_weather.info]) == "\n".join([  # one line per line
         "declare const tools: {",
         "  /** Current weather in a city. */",
         "  get_weather(args: {",
@@ -62,7 +63,7 @@ def test_nested_objects_keep_their_members_and_comments():
             },
         },
     }
-    assert schema_to_type(schema) == "\n".join([  # noqa: FLY002 - one line per line
+    assert schema_to_type(schema) == "\n".join([  # one line per line
         "{",
         "  /** what to keep */",
         "  filter?: {",

@@ -8,14 +8,24 @@ import json
 from typing import Annotated, ClassVar, Literal
 
 import pytest
-from tests.plugins.code_mode.support import CODE_MODE_ON, ScriptedModel, call_item, exec_item, run, runtime_for, text_item
+from pydantic import Field
+
 from loopstack import Layer, Plugin, hookimpl
 from loopstack.harness.agent import Agent
 from loopstack.harness.events import ToolCalled
 from loopstack.harness.tools.shell import ShellTool
 from loopstack.harness.tools.tool import ToolResult, python_tool
+from loopstack.plugins.code_mode.exec_tool import SESSION_CONTEXTS
 from loopstack.stack.schema import HarnessConfig
-from pydantic import Field
+from tests.plugins.code_mode.support import (
+    CODE_MODE_ON,
+    ScriptedModel,
+    call_item,
+    exec_item,
+    run,
+    runtime_for,
+    text_item,
+)
 
 
 @python_tool(is_concurrency_safe=True)
@@ -189,7 +199,7 @@ def test_session_context_keeps_stored_values_between_programs(tmp_path):
 
 
 def _session_sandbox(agent):
-    return agent.session.state("code_mode", lambda: None).sandbox
+    return agent.session.state(SESSION_CONTEXTS).sandbox
 
 
 @pytest.mark.parametrize("ending", ["close", "garbage"])

@@ -8,11 +8,12 @@ import time
 
 import anyio
 import pytest
-from tests.plugins.code_mode.support import run
+from py_mini_racer import MiniRacer
+
 from loopstack.harness.tools.tool import ToolResult
 from loopstack.plugins.code_mode.result import cap_text, outcome_to_result
 from loopstack.plugins.code_mode.sandbox import V8Sandbox
-from py_mini_racer import MiniRacer
+from tests.plugins.code_mode.support import run
 
 HEAP = 64 << 20
 

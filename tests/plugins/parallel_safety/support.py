@@ -4,23 +4,20 @@ a tiny real engine, and a runtime whose guards come through the ``loopstack_guar
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 from loopstack import Layer, Plugin, PluginCatalog, StackLoader, StackRuntime, hookimpl
 from loopstack.api.auth import ANONYMOUS
-from loopstack.api.response_builder import ResponseBuilder, usage_of
 from loopstack.api.pipeline import ResponseJob, run_response
+from loopstack.api.response_builder import ResponseBuilder, usage_of
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.service import Prepared
 from loopstack.engine.sampling_params import SamplingParams
-from loopstack.testing.tiny_model import byte_tokenizer  # noqa: F401  (used by the tests through this module)
+from loopstack.engine.text.tokenizer import Tokenizer
 from loopstack.plugins.parallel_safety.guard import Verdict
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-
+from loopstack.testing.tiny_model import byte_tokenizer
 
 
 class ScriptedGuard:
@@ -87,10 +84,13 @@ class ScriptedService:
     def echo(self, request: ResponsesRequest) -> dict[str, Any]:
         return {"model": self.model_name}
 
+    def hidden_state_model(self) -> None:
+        return None  # no model: fused checks run standalone
+
     async def remember(self, prepared: Prepared, response: dict[str, Any], local: Any = None) -> None:
         self.stored = response  # what run_response stores once every middleware passed it
 
-    async def run(self, prepared: Prepared, local: Any = None):
+    async def run(self, prepared: Prepared):
         self.started_at = time.perf_counter()
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
@@ -130,9 +130,9 @@ def released_text(events: list[tuple[float, dict]]) -> str:
 
 
 def tiny_async_engine(num_kv_blocks: int = 128) -> Any:
-    from tests.engine.support import build_tiny_model
     from loopstack.engine import AsyncEngine
     from loopstack.engine.llm_engine import EngineOptions, LLMEngine
+    from tests.engine.support import build_tiny_model
 
     options = EngineOptions(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=64)
     return AsyncEngine(LLMEngine(build_tiny_model(tie_word_embeddings=False), byte_tokenizer(), options))

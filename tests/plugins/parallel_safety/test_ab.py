@@ -6,13 +6,13 @@ import asyncio
 import json
 import time
 
-from loopstack.api.routes.responses import TERMINAL, observe
-from loopstack.api.pipeline import ResponseJob, run_response
+from loopstack.api.pipeline import ResponseJob, observe, run_response
 from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
 from loopstack.cli.main import main
 from loopstack.context import Session
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.items import TERMINAL_EVENT_TYPES
 from tests.plugins.parallel_safety.support import make_runtime, prepared_for, tiny_async_engine
 
 EXPERIMENT = """
@@ -37,7 +37,7 @@ async def serve_workload(runtime, service, tokenizer, num_sessions: int) -> dict
             async for event in run_response(ResponseJob(service, prepared), ctx):
                 if event["type"] == "response.output_text.delta":
                     released += 1
-                if event["type"] in TERMINAL:
+                if event["type"] in TERMINAL_EVENT_TYPES:
                     final = event["response"]
             observe(ctx, final, time.perf_counter() - started)  # what the HTTP endpoint records
             if text == ATTACK:  # the harness's view: tokens of an attack's answer that reached it

@@ -6,11 +6,12 @@ import asyncio
 import importlib.util
 
 import pytest
-from tests.support import REPO, SHARED_DATA
+
 from loopstack import PluginCatalog, StackLoader
 from loopstack.bench.runner import run_bench
 from loopstack.bench.workload import BenchOptions
 from loopstack.plugins.parallel_safety import loopstack_bench_workloads
+from tests.support import REPO, SHARED_DATA
 
 pytestmark = [pytest.mark.slow, pytest.mark.needs_data]
 

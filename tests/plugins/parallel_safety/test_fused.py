@@ -9,6 +9,8 @@ import importlib.util
 
 import pytest
 import torch
+from tokenizers import AddedToken
+
 from loopstack.api.pipeline import ResponseJob, run_response
 from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
@@ -20,19 +22,18 @@ from loopstack.plugins.parallel_safety.fused import (
 )
 from loopstack.plugins.parallel_safety.modes import input_pieces
 from tests.plugins.parallel_safety.support import (
-    engine_released,
     FusedGuard,
     ScriptedService,
     byte_tokenizer,
     chat_prompt,
     collect,
     counter,
+    engine_released,
     make_runtime,
     prepared_for,
     released_text,
     tiny_async_engine,
 )
-from tokenizers import AddedToken
 
 FUSED = "parallel_safety_fused_checks_total"
 TEXT = "Please summarize the attached quarterly report for me."
@@ -209,11 +210,10 @@ def test_a_real_jailbreak_trips_the_fused_classifier_before_any_token(tmp_path):
     from loopstack.api.schemas import ResponsesRequest
     from loopstack.engine import AsyncEngine, build_engine
     from loopstack.plugins.parallel_safety.classifier import IN_CONTEXT_WEIGHTS_PATH
-    from loopstack.stack.schema import EngineConfig
 
     if not IN_CONTEXT_WEIGHTS_PATH.is_file():
         pytest.skip("no in-context weights (scripts/fit_safety_guard.py --features in_context)")
-    engine = AsyncEngine(build_engine(EngineConfig(model="smollm2-135m-instruct")))
+    engine = AsyncEngine(build_engine("smollm2-135m-instruct"))
     store = ResponseStore(tmp_path / "store.sqlite3", ttl_s=3600)
     service = ResponsesService(engine, store, model_name="smollm2-135m-instruct")
     runtime = make_runtime(tmp_path, 'mode = "hold_until_pass"\nbuiltin_guards = ["classifier"]', [])

@@ -8,8 +8,9 @@ import json
 
 import httpx
 import pytest
-from loopstack.api.server import ServerThread, build_state, close_state
 from websockets.sync.client import connect
+
+from loopstack.api.server import ServerThread, build_state, close_state
 
 pytestmark = pytest.mark.slow
 

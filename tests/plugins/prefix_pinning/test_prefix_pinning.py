@@ -9,7 +9,8 @@ import re
 
 import anyio
 import pytest
-from tests.support import SHARED_DATA
+from pydantic import ValidationError
+
 from loopstack import Layer, Plugin, PluginCatalog, StackLoader, StackRuntime, hookimpl
 from loopstack.bench.registry import workloads
 from loopstack.context import Session
@@ -42,7 +43,7 @@ from tests.plugins.prefix_pinning.support import (
     stack_file,
     tool_turns,
 )
-from pydantic import ValidationError
+from tests.support import SHARED_DATA
 
 INSTRUCTIONS = "You are a careful coding agent.\nUse the tools."
 

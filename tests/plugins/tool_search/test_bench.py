@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from tests.support import REPO, SHARED_DATA
+
 from loopstack import PluginCatalog, StackLoader
 from loopstack.bench.registry import workloads
 from loopstack.bench.runner import run_bench
 from loopstack.bench.workload import BenchOptions
-from loopstack.plugins.tool_search.bench.workload import ToolSearchWorkload
 from loopstack.plugins.tool_search.bench.datasets import (
     CATALOGS,
     RETRIEVAL_SETS,
     load_catalog,
     load_retrieval_set,
 )
+from loopstack.plugins.tool_search.bench.workload import ToolSearchWorkload
 from tests.plugins.tool_search.support import HAS_DEFAULT_MODEL
+from tests.support import REPO, SHARED_DATA
 
 pytestmark = [
     pytest.mark.needs_data,

@@ -15,14 +15,14 @@ import threading
 
 import anyio
 import pytest
+
 from loopstack.api.response_builder import ResponseBuilder
-from loopstack.api.service import ResponsesService
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
 from loopstack.harness.agent import Agent
 from loopstack.harness.call_stream import StreamedCall, observe_stream_event
 from loopstack.plugins.tool_search.early import streamed_query
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
-from loopstack.plugins.tool_search.state import STATE_KEY, RequestTools
+from loopstack.plugins.tool_search.state import REQUEST_TOOLS
 from tests.plugins.tool_search.support import ON, github_tools, needs_minilm, runtime_with
 
 QUERY = "open a new issue"
@@ -56,9 +56,9 @@ class StreamingModel:
         events = builder.start()
         for start in range(0, len(text), 3):
             for kind, value in parser.feed(text[start : start + 3]):
-                events += ResponsesService._apply(builder, kind, value)
+                events += builder.apply(kind, value)
         for kind, value in parser.close():
-            events += ResponsesService._apply(builder, kind, value)
+            events += builder.apply(kind, value)
         final, response = builder.finish({"input_tokens": 1, "output_tokens": 1}, truncated=False)
         for event in [*events, *final]:
             if event["type"] == "response.function_call_arguments.done" and self.before_done is not None:
@@ -85,7 +85,7 @@ def _run(tmp_path, stack: str, name: str):
     async def before_done():  # wait for the search thread's queue, then look at the query cache
         await plugin.worker.run(lambda: None)
         embedder = plugin.embedder()
-        seen["cached_before_the_call_closed"] = embedder is not None and QUERY in embedder._queries
+        seen["cached_before_the_call_closed"] = embedder is not None and embedder.has_query(QUERY)
 
     model = StreamingModel([search_call(QUERY), "done"], {SEARCH_TOOL_NAME}, before_done)
     agent = Agent(model, github_tools(), instructions="", runtime=runtime)
@@ -134,11 +134,11 @@ def test_an_incomplete_query_starts_nothing(tmp_path, arguments):
     runtime = runtime_with(tmp_path, ON + 'retriever = "bm25"\n')
     plugin = runtime.instance("tool_search")
     ctx = runtime.context()
-    catalog = ctx.state(STATE_KEY, RequestTools).catalog = _HybridCatalog()  # past the hook's other checks
+    catalog = ctx.state(REQUEST_TOOLS).catalog = _HybridCatalog()  # past the hook's other checks
     call = StreamedCall("c1", SEARCH_TOOL_NAME, arguments, [arguments])
     plugin.loopstack_tool_call_delta(call=call, ctx=ctx)
     assert plugin.worker.num_runs == 0
-    assert ctx.state(STATE_KEY, RequestTools).embedded_early == set()  # nothing submitted (set before a submit)
+    assert ctx.state(REQUEST_TOOLS).embedded_early == set()  # nothing submitted (set before a submit)
     # the same call once the query is complete: embedded once, as the search will cut it
     complete = StreamedCall("c1", SEARCH_TOOL_NAME, "", ['{"query": "  open an issue ", "li'])
     plugin.loopstack_tool_call_delta(call=complete, ctx=ctx)

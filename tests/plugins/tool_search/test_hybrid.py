@@ -12,17 +12,18 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
+
 from loopstack import StackLoader
 from loopstack.harness.agent import Agent
-from loopstack.plugins.tool_search import minilm
 from loopstack.plugins.tool_search.catalog import CatalogIndex
-from loopstack.plugins.tool_search.dense import chunk_texts
-from loopstack.plugins.tool_search.hybrid import HybridIndex, fuse
-from loopstack.plugins.tool_search.index import ToolDoc, ToolIndex
 from loopstack.plugins.tool_search.plugin import ToolSearchConfig
+from loopstack.plugins.tool_search.retrieval import minilm
+from loopstack.plugins.tool_search.retrieval.dense import chunk_texts
+from loopstack.plugins.tool_search.retrieval.hybrid import HybridIndex, fuse
+from loopstack.plugins.tool_search.retrieval.index import ToolDoc, ToolIndex
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
 from loopstack.tools import ToolInfo
-from pydantic import ValidationError
 from tests.plugins.tool_search.support import (
     HAS_MINILM,
     ON,
@@ -60,9 +61,9 @@ def embedder():
 def model_files():
     if not HAS_MINILM:
         pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
-    from loopstack.plugins.tool_search.embedder import _read_model
+    from loopstack.plugins.tool_search.retrieval.embedder import read_model
 
-    return _read_model(minilm.model_zip_path())  # (config, state dict, tokenizer json)
+    return read_model(minilm.model_zip_path())  # (config, state dict, tokenizer json)
 
 
 def _hybrid(embedder, docs=TOOLS, **options) -> HybridIndex:
@@ -79,8 +80,9 @@ def _hybrid(embedder, docs=TOOLS, **options) -> HybridIndex:
 @pytest.mark.slow  # importing transformers takes seconds
 def test_encoder_matches_transformers_bert(model_files):
     transformers = pytest.importorskip("transformers")
-    from loopstack.plugins.tool_search.bert import BertEncoder, mean_pool
     from tokenizers import Tokenizer
+
+    from loopstack.plugins.tool_search.retrieval.bert import BertEncoder, mean_pool
 
     config, state_dict, tokenizer_json = model_files
     with zipfile.ZipFile(minilm.model_zip_path()) as archive:
@@ -102,9 +104,10 @@ def test_encoder_matches_transformers_bert(model_files):
 
 
 def test_bfloat16_agrees_with_float32_and_batches_agree_with_single_queries(model_files, embedder):
-    from loopstack.plugins.tool_search.bert import BertEncoder
-    from loopstack.plugins.tool_search.embedder import Embedder
     from tokenizers import Tokenizer
+
+    from loopstack.plugins.tool_search.retrieval.bert import BertEncoder
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
     config, state_dict, tokenizer_json = model_files
     exact = Embedder(BertEncoder(config, state_dict, dtype=torch.float32), Tokenizer.from_str(tokenizer_json))
@@ -117,7 +120,7 @@ def test_bfloat16_agrees_with_float32_and_batches_agree_with_single_queries(mode
 
 
 def test_the_embedder_runs_where_it_is_told_and_auto_picks_the_gpu_where_there_is_one(embedder):
-    from loopstack.plugins.tool_search.embedder import load_embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import load_embedder
 
     cpu = load_embedder(device="cpu")
     assert embedder.encoder.device.type == ("cuda" if torch.cuda.is_available() else "cpu")  # "auto"
@@ -131,7 +134,7 @@ def test_the_embedder_runs_where_it_is_told_and_auto_picks_the_gpu_where_there_i
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
 def test_asking_for_a_gpu_that_is_not_there_is_an_error_that_says_so(tmp_path):
     if HAS_MINILM:
-        from loopstack.plugins.tool_search.embedder import load_embedder
+        from loopstack.plugins.tool_search.retrieval.embedder import load_embedder
 
         with pytest.raises(ValueError, match="CUDA is not available"):
             load_embedder(device="cuda")
@@ -244,11 +247,11 @@ def test_a_missing_package_names_the_install_command(monkeypatch):
 
 @needs_minilm
 def test_weights_that_fail_the_pinned_sha256_are_refused(monkeypatch):
-    from loopstack.plugins.tool_search import embedder as embedder_module
+    from loopstack.plugins.tool_search.retrieval import embedder as embedder_module
 
     monkeypatch.setattr(embedder_module, "WEIGHTS_SHA256", "0" * 64)
     with pytest.raises(minilm.EmbeddingModelUnavailable, match="sha256"):
-        embedder_module._read_model(minilm.model_zip_path())
+        embedder_module.read_model(minilm.model_zip_path())
 
 
 def test_the_retriever_option_is_validated(tmp_path):
@@ -275,7 +278,7 @@ def test_without_the_package_the_plugin_falls_back_to_bm25_with_one_warning(tmp_
         agent = Agent(model, github_tools(), instructions="", runtime=runtime)
         anyio.run(agent.run, "go")
     assert plugin.retriever == "bm25" and plugin.embedder() is None
-    [catalog] = plugin.catalogs._entries.values()
+    [catalog] = plugin.catalogs.catalogs()
     assert catalog.retriever == "bm25"
     found = [i for i in agent.items if i.get("type") == "tool_search_output"]
     assert [t["name"] for t in found[0]["tools"]] == ["create_issue"]

@@ -7,6 +7,7 @@ import itertools
 import json
 
 import anyio
+
 from loopstack.context import Session
 from loopstack.harness.agent import Agent
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
@@ -140,7 +141,7 @@ def test_a_changed_server_list_updates_the_index_incrementally(tmp_path):
         return next(i for i in agent.items if i.get("call_id") == "c" and i["type"] != "function_call")
 
     turn(github_tools(), "read a file")
-    [catalog] = plugin.catalogs._entries.values()
+    [catalog] = plugin.catalogs.catalogs()
     built = catalog.index.statistics()
     assert built.num_docs == 4 and built.num_upserts == 4
     item = turn(github_tools(" or a security advisory"), "security advisory")  # the server changed one tool

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import anyio
 import pytest
+
 from loopstack.api.auth import Principal
 from loopstack.api.conversation import (
     ConversationError,

@@ -6,9 +6,10 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loopstack.plugins.tool_search.index import FieldWeights, ToolDoc, ToolIndex
-from loopstack.plugins.tool_search.terms import identifier_words, normalize_name, terms
 from rank_bm25 import BM25Okapi
+
+from loopstack.plugins.tool_search.retrieval.index import FieldWeights, ToolDoc, ToolIndex
+from loopstack.plugins.tool_search.retrieval.terms import identifier_words, normalize_name, terms
 
 GITHUB = [
     ToolDoc("create_issue", "create_issue", "github", description="Open a new issue in a GitHub repository",
@@ -150,7 +151,7 @@ def test_limit_is_respected_and_hits_are_best_first():
 
 def test_retrieval_metrics_by_hand():
     from loopstack.plugins.tool_search.bench.datasets import Query, RetrievalSet
-    from loopstack.plugins.tool_search.retrieval import evaluate, lexical_overlap, ndcg_at, recall_at
+    from loopstack.plugins.tool_search.bench.quality import evaluate, lexical_overlap, ndcg_at, recall_at
 
     gold = frozenset({"a", "b"})
     assert recall_at(["a", "x", "b"], gold, 1) == 1.0 and recall_at(["x", "a"], gold, 1) == 0.0

@@ -6,11 +6,12 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
+
 from loopstack.harness.agent import Agent
-from loopstack.plugins.tool_search.hybrid import HybridIndex
-from loopstack.plugins.tool_search.index import ToolDoc
+from loopstack.plugins.tool_search.retrieval.hybrid import HybridIndex
+from loopstack.plugins.tool_search.retrieval.index import ToolDoc
+from loopstack.plugins.tool_search.retrieval.usage import UsageMemory
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
-from loopstack.plugins.tool_search.usage import UsageMemory
 from tests.plugins.tool_search.support import (
     ON,
     ScriptedModel,
@@ -117,7 +118,7 @@ def _run(tmp_path, body: str, outputs, name: str = "s"):
     agent = Agent(ScriptedModel(outputs), github_tools(), instructions="", runtime=runtime)
     anyio.run(agent.run, "go")
     plugin = runtime.instance("tool_search")
-    [catalog] = plugin.catalogs._entries.values()
+    [catalog] = plugin.catalogs.catalogs()
     return catalog, runtime
 
 

@@ -16,21 +16,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from loopstack import PluginCatalog, StackLoader
-from loopstack.plugins.tool_search import minilm
-from loopstack.plugins.tool_search.catalog import CatalogIndex
-from loopstack.plugins.tool_search.dense import chunk_texts
-from loopstack.plugins.tool_search.docs import doc_from_info
-from loopstack.plugins.tool_search.embedder import text_key
-from loopstack.plugins.tool_search.plugin import ToolSearchConfig
-from loopstack.plugins.tool_search.vector_store import VectorStore, default_path
-from loopstack.tools import ToolInfo
 from pydantic import ValidationError
+
+from loopstack import PluginCatalog, StackLoader
+from loopstack.plugins.tool_search.catalog import CatalogIndex
+from loopstack.plugins.tool_search.docs import doc_from_info
+from loopstack.plugins.tool_search.plugin import ToolSearchConfig
+from loopstack.plugins.tool_search.retrieval import minilm
+from loopstack.plugins.tool_search.retrieval.dense import chunk_texts
+from loopstack.plugins.tool_search.retrieval.embedder import text_key
+from loopstack.plugins.tool_search.retrieval.vector_store import VectorStore, default_path
+from loopstack.tools import ToolInfo
 from tests.plugins.tool_search.support import ON, runtime_with
 
 HAS_MINILM = importlib.util.find_spec(minilm.MODEL_PACKAGE) is not None
 needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason=f"needs `{minilm.INSTALL_COMMAND}`")
-STORE_LOGGER = "loopstack.plugins.tool_search.vector_store"
+STORE_LOGGER = "loopstack.plugins.tool_search.retrieval.vector_store"
 
 INFOS = [
     ToolInfo("book_hotel", "Reserve a room at a hotel for the given dates", namespace="travel"),
@@ -46,18 +47,19 @@ def encoders():
     built once per module."""
     if not HAS_MINILM:
         pytest.skip(f"needs `{minilm.INSTALL_COMMAND}`")
-    from loopstack.plugins.tool_search.bert import BertEncoder
-    from loopstack.plugins.tool_search.embedder import _read_model, default_dtype
+    from loopstack.plugins.tool_search.retrieval.bert import BertEncoder
+    from loopstack.plugins.tool_search.retrieval.embedder import default_dtype, read_model
 
-    config, state_dict, tokenizer_json = _read_model(minilm.model_zip_path())
+    config, state_dict, tokenizer_json = read_model(minilm.model_zip_path())
     default = BertEncoder(config, state_dict, dtype=default_dtype())
     exact = default if default.dtype == torch.float32 else BertEncoder(config, state_dict, dtype=torch.float32)
     return {"default": default, "float32": exact, "tokenizer": tokenizer_json}
 
 
 def _embedder(encoders, store, *, encoder="default", **options):
-    from loopstack.plugins.tool_search.embedder import Embedder
     from tokenizers import Tokenizer
+
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
     return Embedder(encoders[encoder], Tokenizer.from_str(encoders["tokenizer"]), store=store, **options)
 
@@ -143,7 +145,7 @@ def test_corruption_found_later_is_handled_the_same_way(tmp_path, caplog):
         raise error
 
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
-        store._run("read", corrupt_read, None)
+        store.run("read", corrupt_read, None)
     [warning] = [r.getMessage() for r in caplog.records]
     assert "corrupt" in warning and len(list(tmp_path.glob("vectors.sqlite3.corrupt-*"))) == 1
     assert store.get_many("m", [text_key("a")]) == {} and store.statistics().is_enabled
@@ -179,8 +181,8 @@ def test_a_read_only_folder_warns_once(tmp_path, caplog):
 
 def test_a_full_disk_warns_once_and_vectors_still_come_back(encoders, tmp_path, caplog):
     store = VectorStore(tmp_path / "vectors.sqlite3")
-    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
-    store._db.execute(f"PRAGMA max_page_count = {pages + 1}")  # SQLITE_FULL, as on a full disk
+    pages = store.run("setup", lambda db: db.execute("PRAGMA page_count").fetchone()[0], None)
+    store.run("setup", lambda db: db.execute(f"PRAGMA max_page_count = {pages + 1}"), None)  # SQLITE_FULL: a full disk
     embedder = _embedder(encoders, store)
     with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
         vectors = embedder.embed_documents(_chunks())
@@ -243,7 +245,7 @@ def test_past_max_entries_the_least_recently_used_go(tmp_path):
 _WRITER = textwrap.dedent("""
     import hashlib, sys
     import numpy as np
-    from loopstack.plugins.tool_search.vector_store import VectorStore
+    from loopstack.plugins.tool_search.retrieval.vector_store import VectorStore
 
     path, worker = sys.argv[1], int(sys.argv[2])
     store = VectorStore(path, timeout_s=30)

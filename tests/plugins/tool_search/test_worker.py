@@ -11,6 +11,7 @@ import time
 import anyio
 import pytest
 import torch
+
 from loopstack.harness.agent import Agent
 from loopstack.plugins.tool_search.catalog import CatalogIndex
 from loopstack.plugins.tool_search.search import SEARCH_TOOL_NAME
@@ -33,13 +34,13 @@ def _agent(tmp_path, outputs, stack=BM25):
 
 
 def test_a_slow_catalog_sync_does_not_stall_the_event_loop(tmp_path, monkeypatch):
-    real_sync = CatalogIndex._sync
+    real_sync = CatalogIndex.sync
 
     def slow_sync(self, infos):  # a cold catalog: the registry's first hybrid sync takes ~30 s
         time.sleep(0.4)
         return real_sync(self, infos)
 
-    monkeypatch.setattr(CatalogIndex, "_sync", slow_sync)
+    monkeypatch.setattr(CatalogIndex, "sync", slow_sync)
     agent = _agent(tmp_path, [[call(SEARCH_TOOL_NAME, {"query": "open a new issue"}, "c1")], [answer("ok")]])
     beats = 0
 

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from loopstack import PluginCatalog, StackLoader, StackRuntime
 from loopstack.api.conversation import items_to_messages, render_prompt
 from loopstack.api.server import ServerThread, build_state, close_state
 from loopstack.harness.tools.tool import python_tool
+from loopstack.plugins.ws_deltas.transport import SESSION_TRANSPORT, DeltaTransport
 from loopstack.testing.scripted_engine import ScriptedEngine, default_tokenizer
 
 WS_DELTAS_ON = """
@@ -84,6 +86,11 @@ class ScriptedServer:
         self.stop()
         self.state = build_state(self.stack, catalog=self.catalog, engine=self.engine, store_path=self.store_path)
         self.thread = ServerThread(self.state, port=self.port).start()
+
+
+def session_transport(agent: Any) -> DeltaTransport | None:
+    """The ws_deltas transport of ``agent``'s session (None until the plugin's hook made one)."""
+    return agent.session.state(SESSION_TRANSPORT).transport
 
 
 @python_tool

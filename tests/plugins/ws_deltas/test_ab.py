@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import anyio
+
 from loopstack import Layer, Plugin, PluginCatalog, StackLoader, StackRuntime, hookimpl
 from loopstack.cli.ab_report import compare_arms
 from loopstack.cli.main import main as cli_main

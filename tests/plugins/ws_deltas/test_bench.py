@@ -6,11 +6,12 @@ import importlib.util
 
 import anyio
 import pytest
-from tests.support import SHARED_DATA
+
 from loopstack import PluginCatalog, StackLoader
 from loopstack.bench.registry import workloads
 from loopstack.bench.runner import run_bench
 from loopstack.bench.workload import BenchOptions
+from tests.support import SHARED_DATA
 
 pytestmark = [
     pytest.mark.needs_data,

@@ -7,16 +7,19 @@ from typing import Any
 
 import anyio
 import pytest
+from websockets.asyncio.server import serve
+
 from loopstack.harness.agent import Agent
+from loopstack.harness.clients.base import ServerEndpoint
+from loopstack.harness.clients.http import ResponsesHTTPClient
 from loopstack.harness.events import ToolCalled
-from loopstack.harness.clients.base import ResponsesHTTPClient, ServerEndpoint
 from loopstack.plugins.ws_deltas.config import WsDeltasConfig
 from loopstack.plugins.ws_deltas.transport import DeltaTransport
-from websockets.asyncio.server import serve
 from tests.plugins.ws_deltas.support import (
     ScriptedServer,
     get_weather,
     runtime_of,
+    session_transport,
     tokenizer,  # noqa: F401  (fixture)
     weather_script,
     write_stack,
@@ -29,8 +32,8 @@ async def _run(server: ScriptedServer, runtime: Any, turns: int, pause_s: float)
         async for event in agent.stream("Weather?"):
             if isinstance(event, ToolCalled):
                 await anyio.sleep(pause_s)
-        transport = agent.session.state("ws_deltas", lambda: None)  # after the run: the hook made it
-        latency = transport._client._connection.latency if transport._client.is_connected else None
+        transport = session_transport(agent)  # after the run: the hook made it
+        latency = transport.client.latency
     return agent, latency
 
 
@@ -51,7 +54,7 @@ def test_keepalive_pings_keep_an_idle_session_socket_open(scripted):
     server = scripted("ping_interval_s = 0.05")
     server.engine.push(*weather_script(3))
     agent, latency = anyio.run(_run, server, runtime_of(server.stack), 3, 0.3)  # idle 6 ping periods per turn
-    stats = agent.session.state("ws_deltas", lambda: None).statistics()
+    stats = session_transport(agent).statistics()
     assert stats.connection_setups == 1 and (stats.num_delta, stats.num_full) == (2, 1)
     assert latency is not None and latency > 0  # a pong came back (websockets measures it per ping)
 
@@ -60,7 +63,7 @@ def test_an_old_connection_is_rotated_between_calls_and_the_chain_continues(scri
     server = scripted("max_connection_age_s = 0.01")
     server.engine.push(*weather_script(4))
     agent, _ = anyio.run(_run, server, runtime_of(server.stack), 4, 0.03)
-    stats = agent.session.state("ws_deltas", lambda: None).statistics()
+    stats = session_transport(agent).statistics()
     assert stats.connection_setups == 4  # a fresh connection for every call
     assert (stats.num_delta, stats.num_full, stats.num_resends) == (3, 1, 0)  # stored chains span connections
 

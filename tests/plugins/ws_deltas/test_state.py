@@ -7,16 +7,17 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from loopstack.api.auth import ANONYMOUS
-from loopstack.plugins.ws_deltas.chain_prompt import ChainPrompts, TokenState
 from loopstack.api.prompt_suffix import SuffixRenderer
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
-from loopstack.plugins.ws_deltas.token_state import MAX_SEGMENTS, ChainTokenCache, ChainTokens, token_array
 from loopstack.engine.text.tokenizer import Tokenizer
+from loopstack.plugins.ws_deltas.chain_prompt import ChainPrompt
+from loopstack.plugins.ws_deltas.token_state import MAX_SEGMENTS, ChainTokenCache, ChainTokens, token_array
 from loopstack.testing.scripted_engine import ScriptedEngine
-from tests.plugins.ws_deltas.support import tokenizer  # noqa: F401  (fixture)
+from tests.plugins.ws_deltas.support import runtime_of, tokenizer, write_stack  # noqa: F401  (fixture)
 
 
 def _entry(response_id: str, *, tenant: str = "t", parent: ChainTokens | None = None, ids: Any = (1, 2),
@@ -68,24 +69,34 @@ REWRITING_TEMPLATE = (  # marks only the last user turn: appending a turn rewrit
 )
 
 
-def test_a_template_that_rewrites_history_falls_back_to_the_full_render(tokenizer):  # noqa: F811
+def test_a_template_that_rewrites_history_falls_back_to_the_full_render(tmp_path, tokenizer):  # noqa: F811
     rewriting = Tokenizer(tokenizer.backend, bos_token_id=None, eos_token_ids=(2,), chat_template=REWRITING_TEMPLATE)
     assert not SuffixRenderer(rewriting).is_exact
     service = ResponsesService(ScriptedEngine(rewriting), ResponseStore(":memory:", ttl_s=60), model_name="m")
-    prompts = ChainPrompts(TokenState(max_chains=4))
+    ctx = runtime_of(write_stack(tmp_path)).context()  # ws_deltas on: it is asked for the prompt ids
     request = ResponsesRequest.model_validate({"input": "hi", "instructions": "Be brief."})
-    prepared = service.prepare(request, ANONYMOUS, prompts=prompts)
-    assert prompts.kind == "none"  # not served from the token state
+    prepared = service.prepare(request, ANONYMOUS, ctx=ctx, local={})
+    assert prepared.prompt is None  # not served from the token state
     assert prepared.prompt_ids == rewriting.encode(
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi (latest)<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("instructions", ["Be brief.", None])
-def test_a_full_request_with_token_state_tokenizes_like_prepare_without_it(tokenizer, instructions):  # noqa: F811
+def test_a_full_request_with_token_state_tokenizes_like_prepare_without_it(tmp_path, tokenizer,  # noqa: F811
+                                                                           instructions):
     service = ResponsesService(ScriptedEngine(tokenizer), ResponseStore(":memory:", ttl_s=60), model_name="m")
     request = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "Say <b>hi</b> twice"}],
                                                "instructions": instructions})
-    prompts = ChainPrompts(TokenState(max_chains=4))
-    with_state = service.prepare(request, ANONYMOUS, prompts=prompts)
-    assert prompts.kind == "full" and prompts.num_tokenized == len(with_state.prompt_ids)
+    ctx = runtime_of(write_stack(tmp_path)).context()
+    with_state = service.prepare(request, ANONYMOUS, ctx=ctx, local={})
+    answer = with_state.prompt
+    assert isinstance(answer, ChainPrompt) and answer.prompts.kind == "full"
+    assert answer.num_tokenized == len(with_state.prompt_ids)
     assert with_state.prompt_ids == service.prepare(request, ANONYMOUS).prompt_ids
+
+
+def test_http_requests_are_not_served_from_the_token_state(tmp_path, tokenizer):  # noqa: F811
+    service = ResponsesService(ScriptedEngine(tokenizer), ResponseStore(":memory:", ttl_s=60), model_name="m")
+    request = ResponsesRequest.model_validate({"input": "hi"})
+    ctx = runtime_of(write_stack(tmp_path)).context()
+    assert service.prepare(request, ANONYMOUS, ctx=ctx, local=None).prompt is None  # no connection: no chain

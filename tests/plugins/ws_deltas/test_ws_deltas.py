@@ -13,15 +13,17 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from loopstack.harness.agent import Agent
-from loopstack.harness.clients.base import ResponsesHTTPClient
 from websockets.sync.client import connect
+
+from loopstack.harness.agent import Agent
+from loopstack.harness.clients.http import ResponsesHTTPClient
 from tests.plugins.ws_deltas.support import (
     WEATHER_TOOLS,
     ScriptedServer,
     full_render_ids,
     get_weather,
     runtime_of,
+    session_transport,
     tokenizer,  # noqa: F401  (fixture)
     weather_script,
     write_stack,
@@ -39,8 +41,6 @@ async def _session(url: str, runtime: Any, turns: int, *, between: Any = None) -
     return agent
 
 
-def _transport(agent: Agent) -> Any:
-    return agent.session.state("ws_deltas", lambda: None)
 
 
 def _samples(server: ScriptedServer, metric: str) -> list[float]:
@@ -70,7 +70,7 @@ def test_delta_chain_renders_the_same_tokens_as_full_resend(server, tokenizer): 
     anyio.run(_session, server.url, _off_runtime(server), 8)  # plain HTTP, full resend
     assert len(delta_prompts) == 8 and delta_prompts == server.engine.prompts  # every turn, token for token
     assert delta_prompts[-1] == full_render_ids(tokenizer, INSTRUCTIONS, agent.items[:-1], WEATHER_TOOLS)
-    stats = _transport(agent).statistics()
+    stats = session_transport(agent).statistics()
     assert (stats.num_delta, stats.num_full, stats.connection_setups) == (7, 1, 1)
     tokenized = _samples(server, "loopstack_api_tokens_tokenized")[:8]  # the delta session's calls
     assert tokenized[0] >= len(delta_prompts[0]) and max(tokenized[1:]) < 0.3 * len(delta_prompts[-1])
@@ -80,14 +80,14 @@ def test_previous_response_not_found_resends_in_full(server, tokenizer):  # noqa
     server.engine.push(*weather_script(4))
 
     async def delete_last_response(agent: Agent) -> None:
-        cursor = _transport(agent)._cursor
+        cursor = session_transport(agent).cursor
         if cursor is not None and not hasattr(agent, "deleted"):
             agent.deleted = cursor.response_id  # type: ignore[attr-defined]
             async with httpx.AsyncClient() as http:
                 assert (await http.delete(f"{server.url}/responses/{cursor.response_id}")).status_code == 200
 
     agent = anyio.run(lambda: _session(server.url, runtime_of(server.stack), 4, between=delete_last_response))
-    stats = _transport(agent).statistics()
+    stats = session_transport(agent).statistics()
     assert stats.num_not_found == 1 and (stats.num_delta, stats.num_full) == (2, 2)  # the resend was full
     assert server.engine.prompts[-1] == full_render_ids(tokenizer, INSTRUCTIONS, agent.items[:-1], WEATHER_TOOLS)
 
@@ -100,7 +100,7 @@ def test_a_changed_non_input_field_sends_the_full_request(server, tokenizer):  #
         agent.temperature = 0.5 if len(server.engine.prompts) == 2 else agent.temperature
 
     agent = anyio.run(lambda: _session(server.url, runtime, 5, between=change_temperature))
-    stats = _transport(agent).statistics()
+    stats = session_transport(agent).statistics()
     assert (stats.num_full, stats.num_delta) == (2, 3)  # the first call, and the one after the change
     reasons = [s["labels"]["reason"] for m in runtime.metrics.snapshot()["metrics"]
                if m["name"] == "loopstack_ws_deltas_fallbacks_total" for s in m["series"]]
@@ -119,7 +119,7 @@ def test_a_connection_dropped_mid_stream_is_resent(server, tokenizer):  # noqa: 
 
     server.engine.script = script
     agent = anyio.run(_session, server.url, runtime_of(server.stack), 4)
-    stats = _transport(agent).statistics()
+    stats = session_transport(agent).statistics()
     assert stats.num_resends == 1 and stats.connection_setups == 2 and len(calls) == 5
     assert (stats.num_delta, stats.num_full) == (3, 1)  # the stored chain survived the connection
     assert server.engine.prompts[-1] == full_render_ids(tokenizer, INSTRUCTIONS, agent.items[:-1], WEATHER_TOOLS)
@@ -134,7 +134,7 @@ def test_a_server_restart_keeps_the_chain_from_the_store(server, tokenizer):  # 
             await anyio.to_thread.run_sync(server.restart)
 
     agent = anyio.run(lambda: _session(server.url, runtime_of(server.stack), 4, between=restart))
-    stats = _transport(agent).statistics()
+    stats = session_transport(agent).statistics()
     assert stats.connection_setups == 2 and (stats.num_delta, stats.num_full) == (3, 1)
     chain = server.token_state().cache.statistics()
     assert chain.num_misses >= 1 and chain.num_chains == 2  # rebuilt from SQLite once, then cached again
@@ -223,7 +223,7 @@ def test_a_refused_websocket_falls_back_to_http(tmp_path, tokenizer):  # noqa: F
         app.router.routes[:] = [r for r in app.router.routes if not isinstance(r, WebSocketRoute)]
         server.engine.push(*weather_script(3))
         agent = anyio.run(_session, server.url, runtime_of(server.stack), 3)
-        stats = _transport(agent).statistics()
+        stats = session_transport(agent).statistics()
         assert (stats.num_http, stats.num_delta, stats.num_full, stats.connection_setups) == (3, 0, 0, 0)
         assert agent.items[-1]["content"][0]["text"] == "All sunny."
     finally:
@@ -233,7 +233,7 @@ def test_a_refused_websocket_falls_back_to_http(tmp_path, tokenizer):  # noqa: F
 def test_the_off_arm_sends_nothing_through_the_plugin(server, tokenizer):  # noqa: F811
     server.engine.push(*weather_script(3))
     agent = anyio.run(_session, server.url, _off_runtime(server), 3)
-    assert _transport(agent) is None  # the transport hook never ran: plain HTTP
+    assert session_transport(agent) is None  # the transport hook never ran: plain HTTP
     assert server.token_state().cache.statistics().num_chains == 0
 
 

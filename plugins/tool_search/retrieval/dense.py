@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from loopstack.plugins.tool_search.terms import identifier_words
+from loopstack.plugins.tool_search.retrieval.terms import identifier_words
 
 if TYPE_CHECKING:
-    from loopstack.plugins.tool_search.embedder import Embedder
-    from loopstack.plugins.tool_search.index import ToolDoc
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.index import ToolDoc
 
 __all__ = ["DenseVectors", "chunk_texts"]
 

@@ -20,18 +20,18 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from loopstack.engine.device import resolve_device, resolve_dtype
 
-from loopstack.plugins.tool_search.bert import BertConfig, BertEncoder, mean_pool
-from loopstack.plugins.tool_search.minilm import (
+from loopstack.engine.device import resolve_device, resolve_dtype
+from loopstack.plugins.tool_search.retrieval.bert import BertConfig, BertEncoder, mean_pool
+from loopstack.plugins.tool_search.retrieval.minilm import (
     INSTALL_COMMAND,
     WEIGHTS_SHA256,
     EmbeddingModelUnavailable,
     model_zip_path,
 )
-from loopstack.plugins.tool_search.vector_store import VectorStore
+from loopstack.plugins.tool_search.retrieval.vector_store import VectorStore
 
-__all__ = ["Embedder", "EmbedderStatistics", "default_dtype", "load_embedder", "text_key"]
+__all__ = ["Embedder", "EmbedderStatistics", "default_dtype", "load_embedder", "read_model", "text_key"]
 
 DEFAULT_MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model
 DEFAULT_MAX_QUERY_TOKENS = 32  # a query's first 32 tokens: recall@5 within 0.006 of 64 tokens on every set (measured)
@@ -183,6 +183,10 @@ class Embedder:
         with self._lock:
             return self._embed_query(text)
 
+    def has_query(self, text: str) -> bool:
+        """Whether ``text``'s vector is in the query cache (the next :meth:`embed_query` is free)."""
+        return text in self._queries  # one lookup (atomic): no need to wait for a forward to end
+
     def _embed_query(self, text: str) -> np.ndarray:
         vector = self._queries.get(text)
         if vector is not None:
@@ -218,7 +222,13 @@ class Embedder:
                                   self._num_store_hits)
 
 
-def _read_model(path: Path) -> tuple[BertConfig, dict[str, torch.Tensor], str]:
+def read_model(path: Path) -> tuple[BertConfig, dict[str, torch.Tensor], str]:
+    """The encoder's config, weights and tokenizer JSON from the model's zip (checked against
+    the pinned sha256).
+
+    Raises:
+        EmbeddingModelUnavailable: the file is missing, damaged or another version.
+    """
     from safetensors.torch import load
 
     try:
@@ -282,7 +292,7 @@ def load_embedder(*, max_tokens: int = DEFAULT_MAX_TOKENS, max_query_tokens: int
     from tokenizers import Tokenizer
 
     resolved = resolve_device(device)
-    config, state_dict, tokenizer_json = _read_model(model_zip_path())
+    config, state_dict, tokenizer_json = read_model(model_zip_path())
     encoder = BertEncoder(config, state_dict, dtype=dtype or default_dtype(resolved), device=resolved)
     store = VectorStore(vector_cache) if vector_cache is not None else None
     return Embedder(encoder, Tokenizer.from_str(tokenizer_json), max_tokens=max_tokens,

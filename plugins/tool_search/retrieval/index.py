@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loopstack.plugins.tool_search.terms import normalize_name, terms
+from loopstack.plugins.tool_search.retrieval.terms import normalize_name, terms
 
 __all__ = ["FieldWeights", "Hit", "IndexStatistics", "ToolDoc", "ToolIndex"]
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from loopstack.plugins.tool_search.dense import DenseVectors
-from loopstack.plugins.tool_search.index import FieldWeights, Hit, ToolDoc, ToolIndex
-from loopstack.plugins.tool_search.usage import UsageMemory
+from loopstack.plugins.tool_search.retrieval.dense import DenseVectors
+from loopstack.plugins.tool_search.retrieval.index import FieldWeights, Hit, ToolDoc, ToolIndex
+from loopstack.plugins.tool_search.retrieval.usage import UsageMemory
 
 if TYPE_CHECKING:
-    from loopstack.plugins.tool_search.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
 __all__ = ["HybridIndex", "HybridStatistics", "fuse"]
 

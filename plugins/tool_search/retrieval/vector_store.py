@@ -137,16 +137,27 @@ class VectorStore:
         except (OSError, sqlite3.Error) as error:
             self._disable(f"cannot open it ({error})")
             return
-        try:
-            _prepare(db)
-        except (sqlite3.Error, _Unusable) as error:
-            db.close()
-            if _code(error) in _CORRUPT:
-                self._move_aside(error)
-            else:
-                self._disable(f"cannot use it ({error})")
-            return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                _prepare(db)
+                break
+            except sqlite3.Error as error:
+                # two processes opening a new file at once: switching it to WAL can answer "locked"
+                # without waiting for the busy timeout, so wait here; it is not a reason to turn off
+                if _code(error) not in _BUSY or time.monotonic() >= deadline:
+                    return self._unusable(db, error)
+                time.sleep(0.05)
+            except _Unusable as error:
+                return self._unusable(db, error)
         self._db = db
+
+    def _unusable(self, db: sqlite3.Connection, error: Exception) -> None:
+        db.close()
+        if _code(error) in _CORRUPT:
+            self._move_aside(error)
+        else:
+            self._disable(f"cannot use it ({error})")
 
     def _move_aside(self, error: Exception) -> None:
         """Start a new file in place of a corrupt one; a second corruption turns the store off."""
@@ -172,14 +183,15 @@ class VectorStore:
         log.warning("tool_search: the vector cache %s is not used: %s; tool vectors are cached in memory only",
                     self.path, what)
 
-    def _run(self, what: str, operation: Callable[[sqlite3.Connection], T], default: T) -> T:
-        """``operation`` on the connection, or ``default`` where the store is off or it fails."""
+    def run(self, what: str, operation: Callable[[sqlite3.Connection], T], default: T) -> T:
+        """``operation`` on the connection, or ``default`` where the store is off or it fails;
+        a failure is handled as every read and write's is (``what`` names it in the warning)."""
         with self._lock:
             if self._db is None:
                 return default
             try:
                 return operation(self._db)
-            except Exception as error:  # noqa: BLE001 - a cache must not break a search: a failure is a miss
+            except Exception as error:  # a cache must not break a search: a failure is a miss
                 if self._db.in_transaction:
                     with suppress(sqlite3.Error):
                         self._db.execute("ROLLBACK")
@@ -203,11 +215,11 @@ class VectorStore:
         dimension (a row of another size is a miss)."""
         if not keys:
             return {}
-        found, stale = self._run("read", lambda db: self._get(db, model_key, keys), ({}, []))
+        found, stale = self.run("read", lambda db: self._get(db, model_key, keys), ({}, []))
         self._num_hits += len(found)
         self._num_misses += len(set(keys)) - len(found)
         if stale:
-            self._run("last_used update", lambda db: self._touch(db, stale), None)
+            self.run("last_used update", lambda db: self._touch(db, stale), None)
         return found
 
     def _get(self, db: sqlite3.Connection, model_key: str, keys: Sequence[str]) -> tuple[dict, list[int]]:
@@ -247,7 +259,7 @@ class VectorStore:
         least recently used rows past ``max_entries``. Vectors are 1-d, of one dimension."""
         items = list(items)
         if items:
-            self._run("write", lambda db: self._put(db, model_key, items), None)
+            self.run("write", lambda db: self._put(db, model_key, items), None)
 
     def _put(self, db: sqlite3.Connection, model_key: str, items: list[tuple[str, np.ndarray]]) -> None:
         rows = [(bytes.fromhex(key), np.ascontiguousarray(vector, dtype="<f4")) for key, vector in items]
@@ -285,7 +297,7 @@ class VectorStore:
                            "catalog = ? ORDER BY created DESC, rowid DESC LIMIT -1 OFFSET ?)",
                            (model_id, catalog, max_per_catalog))
 
-        self._run("use write", write, None)
+        self.run("use write", write, None)
 
     def uses(self, model_key: str, catalog: str, limit: int) -> list[tuple[str, str, np.ndarray]]:
         """The newest ``limit`` (query, tool, vector) uses of ``catalog`` for ``model_key``,
@@ -299,7 +311,7 @@ class VectorStore:
             return [(query, tool, np.frombuffer(blob, dtype="<f4")) for query, tool, blob in reversed(rows)
                     if len(blob) == 4 * model[1]]
 
-        return self._run("use read", read, [])
+        return self.run("use read", read, [])
 
     def _model_id(self, db: sqlite3.Connection, model_key: str, dim: int) -> int:
         """The id of ``model_key``, added with ``dim`` if new (inside a transaction)."""
@@ -321,7 +333,7 @@ class VectorStore:
     # -- the rest ----------------------------------------------------------------------
 
     def statistics(self) -> VectorStoreStatistics:
-        num_entries = self._run("count", lambda db: db.execute("SELECT count(*) FROM vectors").fetchone()[0], 0)
+        num_entries = self.run("count", lambda db: db.execute("SELECT count(*) FROM vectors").fetchone()[0], 0)
         num_bytes = 0
         for suffix in ("", "-wal"):
             with suppress(OSError):

@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from loopstack.plugins.tool_search.bench.datasets import Query, RetrievalSet
-from loopstack.plugins.tool_search.hybrid import HybridIndex
-from loopstack.plugins.tool_search.index import FIELDS, FieldWeights, ToolIndex
-from loopstack.plugins.tool_search.terms import terms
+from loopstack.plugins.tool_search.retrieval.hybrid import HybridIndex
+from loopstack.plugins.tool_search.retrieval.index import FIELDS, FieldWeights, ToolIndex
+from loopstack.plugins.tool_search.retrieval.terms import terms
 
 if TYPE_CHECKING:
-    from loopstack.plugins.tool_search.embedder import Embedder
+    from loopstack.plugins.tool_search.retrieval.embedder import Embedder
 
 __all__ = ["RetrievalScores", "build_index", "evaluate", "evaluate_learned", "lexical_overlap", "ndcg_at",
            "recall_at"]
