@@ -1,6 +1,6 @@
 # Two entry points do all set-up on a fresh machine:
 #   make demo   - install into .venv, then run the main job on the embedded model
-#   make test   - install into .venv (with dev extras), then run the test suite
+#   make test   - install into .venv (with dev extras), then lint (ruff, mypy) and run the test suite
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -25,6 +25,9 @@ T = TypeVar("T")
 
 
 def _state_of(store: dict[Any, Any], key: StateKey[T] | str, factory: Callable[[], T] | None) -> T:
+    if key in store and factory is None:  # the hot path: a typed key's value made earlier
+        found: T = store[key]
+        return found
     if isinstance(key, StateKey):
         if factory is not None:
             raise TypeError(f"{key!r} carries its own factory; call state(key) without one")
