@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -49,11 +50,17 @@ def compose(factories: Iterable[MiddlewareFactory | None], endpoint: Handler) ->
     return handler
 
 
+def _is_module_level(endpoint: object) -> bool:
+    """A plain function defined at a module's top level (not a closure, lambda or method)."""
+    return (isinstance(endpoint, types.FunctionType) and "<locals>" not in endpoint.__qualname__
+            and endpoint.__name__ != "<lambda>")
+
+
 class MiddlewareStack:
     """The middleware factories of one chain kind for one combination of arms, outermost first.
 
-    Made once per combination by the kernel and immutable; hosts key their composed chains
-    on it (weakly), so a retired stack's chains go with it.
+    Made once per combination by the kernel and immutable; a :class:`Chain` keys its composed
+    handlers on it weakly, so a retired stack's chains go with it.
     """
 
     __slots__ = ("kind", "factories", "_around", "__weakref__")
@@ -61,22 +68,25 @@ class MiddlewareStack:
     def __init__(self, kind: str, factories: Iterable[MiddlewareFactory]) -> None:
         self.kind = kind
         self.factories: tuple[MiddlewareFactory, ...] = tuple(factories)
-        # endpoint -> composed chain; weak keys: a dropped endpoint frees its chain
-        self._around: weakref.WeakKeyDictionary[Handler, Handler] = weakref.WeakKeyDictionary()
+        # module-level endpoint -> composed chain (the chain holds its endpoint: weak keys would
+        # never be freed, so only functions that live for the whole process are cached)
+        self._around: dict[Handler, Handler] = {}
 
     def around(self, endpoint: H) -> H:
-        """This stack composed around ``endpoint``: cached per endpoint while the endpoint
-        lives (module-level functions); composed anew for endpoints that cannot be weakly
-        referenced or are made per call (bound methods: use a :class:`Chain`)."""
-        try:
-            chain = self._around.get(endpoint)
-        except TypeError:  # not weak-referenceable (a builtin, a functools.partial of one)
+        """This stack composed around ``endpoint``, cached for module-level functions (they live
+        as long as the process, so the cache stays small); any other endpoint (a closure or
+        lambda made per call, a bound method, a partial) is composed anew on every call: hold a
+        :class:`Chain` for those."""
+        if not _is_module_level(endpoint):
             return compose(self.factories, endpoint)  # type: ignore[return-value]
+        chain = self._around.get(endpoint)
         if chain is None:
-            chain = compose(self.factories, endpoint)
-            if not hasattr(endpoint, "__self__"):  # a bound method is made per access: caching it is waste
-                self._around[endpoint] = chain
+            chain = self._around[endpoint] = compose(self.factories, endpoint)
         return chain  # type: ignore[return-value]
+
+    def cached_endpoints(self) -> tuple[Handler, ...]:
+        """The endpoints :meth:`around` keeps a composed chain for (module-level functions)."""
+        return tuple(self._around)
 
     def __len__(self) -> int:
         return len(self.factories)

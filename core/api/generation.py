@@ -24,8 +24,9 @@ DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
 
 class EngineClient(Protocol):
-    """What the API needs from inference: the embedded AsyncEngine, the replica pool, or a
-    test double (:class:`loopstack.testing.scripted_engine.ScriptedEngine`).
+    """What the API needs from inference: the embedded AsyncEngine or a test double
+    (:class:`loopstack.testing.scripted_engine.ScriptedEngine`); later the router in front of
+    the replica pool (the pool alone has no ``tokenizer`` / ``max_model_len`` yet).
 
     ``hidden_state_model`` is the config of the model a hidden-state capture's vector comes
     from, or None for an engine that cannot capture; ``stream(..., capture=...)`` then

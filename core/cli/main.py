@@ -150,6 +150,8 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
         return None
     if args.plot:
         return Path(args.plot)
+    if args.plot_dir:  # the older flag: still honoured, as it was
+        return Path(args.plot_dir) / f"{args.workload}.png"
     return Path(args.json).with_suffix(".png") if args.json else None
 
 
@@ -214,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "then print each metric per stack and the ratio last/first.")
     p.add_argument("--workload", "-w", help="workload name (see --list)")
     p.add_argument("--stack", "-s", action="append", help="stack name or file; repeat to compare (default: baseline)")
-    p.add_argument("--json", metavar="PATH", help="write results as JSON, and a PNG plot beside it (PATH.png)")
+    p.add_argument("--json", metavar="PATH", help="write results as JSON, and a PNG plot beside it (same name, .png)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plot here (default: beside --json; none without either)")
+    p.add_argument("--plot-dir", metavar="DIR", help=argparse.SUPPRESS)  # deprecated: DIR/WORKLOAD.png
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--steps", type=int, help="measured rounds per stack (default: the workload's)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")

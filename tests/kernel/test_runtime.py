@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import anyio
 
-from loopstack import Session, StackLoader, StackRuntime
+from loopstack import Chain, Session, StackLoader, StackRuntime
 from tests.support import Recorder
 
 
@@ -121,3 +121,39 @@ def test_session_and_request_state_are_separate(catalog, write_stack):
     assert second.session.state("recorder", list) == [1]
     first.state("recorder", list).append(1)
     assert second.state("recorder", list) == []
+
+
+def test_chains_around_per_call_closures_are_not_kept(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, AB_STACK)
+    ctx = runtime.context(overrides={"rec": "on"})
+    stack = ctx.middleware("model")
+    for _ in range(50):
+        async def per_call(request, ctx):
+            yield "endpoint"
+
+        ctx.chain("model", per_call)
+    ctx.chain("model", endpoint)
+    assert len(stack) == 1 and list(stack.cached_endpoints()) == [endpoint]
+
+
+def test_a_host_held_chain_takes_a_bound_method_and_composes_once_per_combination(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, AB_STACK)
+
+    class Host:
+        def __init__(self):
+            self.calls = 0
+            self.chain = Chain("model", self.call)
+
+        async def call(self, request, ctx):
+            self.calls += 1
+            yield "endpoint"
+
+    host = Host()
+    on, again = runtime.context(overrides={"rec": "on"}), runtime.context(overrides={"rec": "on"})
+    assert host.chain.handler(on) is host.chain.handler(again)
+    assert host.chain.handler(on) is not host.chain.handler(runtime.context(overrides={"rec": "off"}))
+
+    async def events():
+        return [event async for event in host.chain.handler(on)({}, on)]
+
+    assert anyio.run(events) == ["base:before", "endpoint"] and host.calls == 1

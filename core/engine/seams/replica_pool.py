@@ -390,6 +390,8 @@ class ReplicaPool:
     # -- internals ------------------------------------------------------------------------------------
 
     def _least_busy_index(self) -> int:
+        # a placeholder until the router chooses: a stream counts once it is first iterated, so
+        # streams made together before any is read land on one replica
         live = [r for r in self._replicas if r.is_alive] or self._replicas
         return min(live, key=lambda r: (len(r.streams), r.index)).index
 

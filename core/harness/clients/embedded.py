@@ -112,9 +112,16 @@ class EmbeddedClient:
             await response.open()
         except APIError as exc:
             raise _client_error(exc) from None
+        failure: ModelClientError | None = None
         async with response:
             async for event in response:  # to the end: middlewares finish their work past the final event
-                reader.feed(event)
+                if failure is None:
+                    try:
+                        reader.feed(event)
+                    except ModelClientError as exc:  # raised once the stream is read to its end
+                        failure = exc
+        if failure is not None:
+            raise failure
         if reader.response is None:
             raise reader.ended_early(500)
         return reader.response

@@ -76,11 +76,12 @@ class ResponseStreamReader:
             return self.response
         if kind == "response.failed":
             error = event["response"].get("error") or {}
-            raise ModelClientError(self.failed_status, str(error.get("message")), error.get("code"))
+            raise ModelClientError(self.failed_status, str(error.get("message") or "generation failed"),
+                                   error.get("code"))
         if kind == "error":
             error = event.get("error") or {}
-            raise ModelClientError(int(event.get("status") or self.error_status), str(error.get("message")),
-                                   error.get("code"))
+            raise ModelClientError(int(event.get("status") or self.error_status),
+                                   str(error.get("message") or "the server sent an error event"), error.get("code"))
         return None
 
     def ended_early(self, status: int) -> ModelClientError:

@@ -1,6 +1,6 @@
 """Workload ``prefix``: real agent sessions replayed through harness, API and engine, unpinned vs pinned.
 
-Each step replays one recorded SWE-bench session (``bench_data``) twice, once per column,
+Each step replays one recorded SWE-bench session (``bench/data.py``) twice, once per column,
 through :class:`~loopstack.harness.agent.Agent` -> :class:`~loopstack.harness.clients.replay.ReplayClient`
 -> :class:`~loopstack.harness.clients.embedded.EmbeddedClient` (the API layer and the engine in
 process, ``max_output_tokens=1``: the recording plays the model, the engine measures the
