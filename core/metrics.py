@@ -16,6 +16,7 @@ import random
 import re
 import threading
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -42,7 +43,7 @@ def _format_value(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else str(int(value))
 
 
-class _Metric:
+class _Metric(ABC):
     kind = ""
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str]) -> None:
@@ -65,11 +66,13 @@ class _Metric:
             )
         return tuple(str(labels[n]) for n in self.labelnames)
 
+    @abstractmethod
     def _render(self) -> Iterable[str]:
-        raise NotImplementedError
+        """Prometheus text lines of every series (the registry holds the lock)."""
 
+    @abstractmethod
     def _snapshot(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Every series as JSON-ready data (the registry holds the lock)."""
 
     def _labels_of(self, key: tuple[str, ...]) -> dict[str, str]:
         return dict(zip(self.labelnames, key))

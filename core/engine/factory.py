@@ -25,6 +25,11 @@ CPU_DEFAULT_QUANTIZATION = "int4"
 CPU_HEAD_QUANTIZATION = "int8_rescored"
 
 
+def _check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+
+
 def resolve_quantization(quantization: str, device: torch.device) -> str:
     """``auto`` is weight-only int4 on CPU (decode there is bound by weight bytes) and
     none on GPU; explicit int8/int4 on a GPU is an error (the kernels are CPU ones).
@@ -32,8 +37,7 @@ def resolve_quantization(quantization: str, device: torch.device) -> str:
     Raises:
         ValueError: an unknown ``quantization``, or int8/int4 off the CPU.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    _check_quantization(quantization)
     if quantization == "auto":
         return CPU_DEFAULT_QUANTIZATION if device.type == "cpu" else "none"
     if quantization != "none" and device.type != "cpu":
@@ -68,8 +72,7 @@ def build_engine(
         ModelNotFoundError, UnsupportedArchitectureError: from loading; ValueError: a bad
         ``quantization`` for the device.
     """
-    if quantization not in QUANTIZATIONS:  # before seconds of loading
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    _check_quantization(quantization)  # before seconds of loading
     if num_threads:
         torch.set_num_threads(num_threads)
     loaded = load_model(model, device=device, dtype=dtype)

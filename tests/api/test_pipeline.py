@@ -103,13 +103,17 @@ def test_no_answer_renders_the_whole_conversation(state):
 
 
 def test_a_response_is_stored_before_the_caller_sees_its_final_event(state):
+    seen: list[str] = []
+
     async def main() -> None:
         async with respond(state, ResponsesRequest(input="hi", instructions="render"), ANONYMOUS) as response:
             async for event in response:
                 if event["type"] == "response.completed":
                     assert state.store.get(event["response"]["id"], tenant=ANONYMOUS.tenant) is not None
+                    seen.append(event["response"]["id"])
 
     anyio.run(main)
+    assert len(seen) == 1  # the final event did arrive, so the check above ran
 
 
 def test_an_invalid_request_is_refused_when_the_response_opens(state):

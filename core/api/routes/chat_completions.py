@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -33,7 +32,7 @@ from loopstack.api.routes.common import (
 from loopstack.api.routes.sse import encode_data
 from loopstack.api.schemas import ChatCompletionsRequest, ResponsesRequest
 from loopstack.api.service import Prepared
-from loopstack.items import TERMINAL_EVENT_TYPES, function_call_output_item, message_item
+from loopstack.items import TERMINAL_EVENT_TYPES, function_call_item, function_call_output_item, message_item
 
 
 def chat_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -47,9 +46,7 @@ def chat_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if message["content"] or not message.get("tool_calls"):
             items.append(message_item(message["role"], message["content"]))
         for call in message.get("tool_calls", ()):
-            arguments = call["function"]["arguments"]
-            items.append({"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)})
+            items.append(function_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
     return items
 
 

@@ -37,6 +37,7 @@ from loopstack.catalog import PluginCatalog
 from loopstack.harness.agent import Agent
 from loopstack.harness.events import ToolCalled
 from loopstack.harness.tools.tool import python_tool
+from loopstack.items import function_call_item
 from loopstack.plugins.code_mode.bench.tasks import LATENCY_S, REGISTRY_FILE, Outputs, Registry, Task, all_tasks
 from loopstack.plugins.code_mode.plugin import CodeMode
 from loopstack.plugins.code_mode.sandbox import V8Sandbox
@@ -102,7 +103,7 @@ class _PingModel:
 
 
 def _call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": json.dumps(arguments)}
+    return function_call_item(call_id, name, arguments)
 
 
 def _message(text: str) -> dict[str, Any]:
