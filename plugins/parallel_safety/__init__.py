@@ -15,7 +15,9 @@ Example stack table::
     enabled = true
     mode = "stream_then_cut"
     model_modes = { "smollm2-135m-instruct" = "hold_until_pass" }
-    guards = { injection_patterns = { mode = "sequential" } }
+    max_false_positive_rate = 0.01
+    classifier_heads = { message = ["jailbreak"], function_call_output = ["injection"] }
+    guards = { injection_patterns = { mode = "sequential", item_types = ["function_call_output"] } }
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin, PluginConfig
 
 Mode = Literal["sequential", "stream_then_cut", "hold_until_pass"]
+ItemType = Literal["message", "function_call_output", "tool_search_output", "output"]
+InputItemType = Literal["message", "function_call_output", "tool_search_output"]
+Head = Literal["jailbreak", "injection"]
 
 
 class GuardSettings(PluginConfig):
@@ -38,6 +43,8 @@ class GuardSettings(PluginConfig):
     mode: Mode | None = Field(None, description="this guard's mode (default: the model's, else `mode`)")
     timeout_s: float | None = Field(None, gt=0, description="limit on one check of this guard")
     fail_open: bool | None = Field(None, description="let traffic through when this guard errors or times out")
+    item_types: list[InputItemType] | None = Field(
+        None, description="input item types this guard checks (default: all of them)")
 
 
 class ParallelSafetyConfig(PluginConfig):
@@ -46,7 +53,15 @@ class ParallelSafetyConfig(PluginConfig):
     guards: dict[str, GuardSettings] = Field(default_factory=dict, description="per-guard settings, by guard name")
     builtin_guards: list[Literal["classifier", "patterns"]] = Field(
         ["classifier", "patterns"], description="built-in guards to run")
-    classifier_threshold: float | None = Field(None, gt=0, lt=1, description="override the fitted threshold")
+    max_false_positive_rate: float = Field(
+        0.01, gt=0, lt=1, description="the classifier's false-positive target: every head's threshold is read "
+        "off its calibration for this rate")
+    classifier_heads: dict[ItemType, list[Head]] = Field(
+        default_factory=lambda: {"message": ["jailbreak"], "function_call_output": ["injection"],
+                                 "tool_search_output": ["injection"], "output": []},
+        description="which classifier heads judge each item type (user `message`, tool content, generated `output`)")
+    classifier_threshold: float | None = Field(None, gt=0, lt=1, description="one probability threshold for every "
+                                               "head instead of the calibrated ones")
     classifier_threads: int = Field(1, ge=1, description="torch threads of the classifier's own worker thread")
     fused_input: bool = Field(True, description="on the embedded engine, take the input check's features from the "
                               "request's own prefill (no forward of the guard's own)")

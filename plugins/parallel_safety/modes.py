@@ -38,10 +38,14 @@ from loopstack.items import TERMINAL_EVENT_TYPES
 from loopstack.plugins.parallel_safety.fused import text_capture
 from loopstack.plugins.parallel_safety.guard import (
     Guard,
+    ItemType,
+    Piece,
     Stage,
     Verdict,
+    fused_pieces,
     guard_stages,
     is_hidden_state_guard,
+    joined,
     run_check,
 )
 
@@ -58,6 +62,7 @@ class GuardPlan:
     mode: Mode
     timeout_s: float
     fail_open: bool
+    item_types: tuple[ItemType, ...] | None = None  # the input item types it sees (None: all)
 
     @property
     def gates(self) -> bool:
@@ -65,6 +70,12 @@ class GuardPlan:
 
     def applies(self, stage: Stage) -> bool:
         return stage in guard_stages(self.guard)
+
+    def inputs(self, pieces: list[Piece]) -> list[Piece]:
+        """The pieces of the input this guard checks (none when it has no input stage)."""
+        if not self.applies("input"):
+            return []
+        return [p for p in pieces if self.item_types is None or p.item_type in self.item_types]
 
 
 @dataclass(frozen=True)
@@ -76,28 +87,30 @@ class Chunking:
 
 def input_text(items: list[dict[str, Any]]) -> str:
     """The new user and tool content of a request: what input guards check."""
-    return "\n".join(input_pieces(items))
+    return joined(input_pieces(items))
 
 
-def input_pieces(items: list[dict[str, Any]]) -> list[str]:
-    """:func:`input_text` as its parts, in item order (each one a user message text, a tool
-    output, or a loaded tool's ``name: description``)."""
-    parts: list[str] = []
+def input_pieces(items: list[dict[str, Any]]) -> list[Piece]:
+    """:func:`input_text` as its parts, in item order, each with its item type: a user
+    message text (``message``), a tool output (``function_call_output``), or a tool search's
+    output and each loaded tool's ``name: description`` (``tool_search_output``)."""
+    parts: list[Piece] = []
     for item in items:
         kind = item.get("type", "message")
         if kind == "message" and item.get("role", "user") == "user":
             content = item.get("content")
             if isinstance(content, str):
-                parts.append(content)
+                parts.append(Piece(content, "message"))
             elif isinstance(content, list):
-                parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                parts += [Piece(p["text"], "message") for p in content
+                          if isinstance(p, dict) and isinstance(p.get("text"), str)]
         elif kind in ("function_call_output", "tool_search_output"):
             output = item.get("output")
-            parts.append(output if isinstance(output, str) else str(output))
+            parts.append(Piece(output if isinstance(output, str) else str(output), kind))
             # tools a search loaded: their descriptions come from (possibly untrusted) servers
-            parts += [f"{t.get('name', '')}: {t.get('description', '')}" for t in item.get("tools") or []
+            parts += [Piece(f"{t.get('name', '')}: {t.get('description', '')}", kind) for t in item.get("tools") or []
                       if isinstance(t, dict)]
-    return [p for p in parts if p]
+    return [p for p in parts if p.text]
 
 
 def _hidden_need(guard: Any, model: Any) -> tuple[int, int] | None:
@@ -122,6 +135,13 @@ def _vector_of(capture: asyncio.Future[Any]) -> asyncio.Future[Any]:
 
     capture.add_done_callback(relay)
     return vector
+
+
+async def _first_block(parts: list[asyncio.Future[Verdict]]) -> Verdict:
+    """The fused verdict and the standalone one of the pieces the capture left out (when
+    any): the first that blocks, else the fused one."""
+    verdicts = await asyncio.gather(*parts)
+    return next((v for v in verdicts if not v.passed), verdicts[0])
 
 
 class _Tripped(Exception):
@@ -158,11 +178,10 @@ class GuardedResponse:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         pieces = input_pieces(self.job.prepared.new_items)
-        text = "\n".join(pieces)
         try:
             try:
-                await self._sequential_inputs(text)
-                self._start(text, pieces)
+                await self._sequential_inputs(pieces)
+                self._start(pieces)
                 async for event in self._pump():
                     yield event
             except _Tripped as trip:
@@ -172,9 +191,9 @@ class GuardedResponse:
         finally:
             await self._stop()
 
-    async def _sequential_inputs(self, text: str) -> None:
-        first = [(i, p) for i, p in enumerate(self.plans) if p.mode == "sequential" and p.applies("input") and text]
-        verdicts = await asyncio.gather(*(self._check(p, text, "input") for _, p in first))
+    async def _sequential_inputs(self, pieces: list[Piece]) -> None:
+        first = [(i, p) for i, p in enumerate(self.plans) if p.mode == "sequential" and p.inputs(pieces)]
+        verdicts = await asyncio.gather(*(self._check(p, p.inputs(pieces), "input") for _, p in first))
         for (i, plan), verdict in zip(first, verdicts):
             self._observe_verdict(plan, "standalone")
             if not verdict.passed:
@@ -182,15 +201,16 @@ class GuardedResponse:
             self.input_passed[i] = True
             self.done.add((i, "input"))
 
-    def _start(self, text: str, pieces: list[str]) -> None:
-        capture, fused = self._fuse(pieces) if text else (None, set())  # before the producer reaches the engine
+    def _start(self, pieces: list[Piece]) -> None:
+        capture, covered, fused = self._fuse(pieces)  # before the producer reaches the engine
         self.tasks.append(asyncio.create_task(self._produce()))
         for i, plan in enumerate(self.plans):
             if (i, "input") not in self.done:
+                mine = plan.inputs(pieces)
                 if capture is not None and i in fused:
-                    self.tasks.append(asyncio.create_task(self._fused_input_check(i, plan, text, capture)))
-                elif plan.applies("input") and text:
-                    self.tasks.append(asyncio.create_task(self._input_check(i, plan, text)))
+                    self.tasks.append(asyncio.create_task(self._fused_input_check(i, plan, mine, covered, capture)))
+                elif mine:
+                    self.tasks.append(asyncio.create_task(self._input_check(i, plan, mine)))
                 else:
                     self.input_passed[i] = True
                     self.done.add((i, "input"))
@@ -264,23 +284,32 @@ class GuardedResponse:
         finally:
             await inner.aclose()
 
-    async def _check(self, plan: GuardPlan, text: str, stage: Stage) -> Verdict:
-        return await run_check(plan.guard, text, stage, timeout_s=plan.timeout_s, fail_open=plan.fail_open,
+    async def _check(self, plan: GuardPlan, pieces: list[Piece], stage: Stage) -> Verdict:
+        return await run_check(plan.guard, pieces, stage, timeout_s=plan.timeout_s, fail_open=plan.fail_open,
                                ctx=self.ctx)
 
-    def _fuse(self, pieces: list[str]) -> tuple[asyncio.Future[Any] | None, set[int]]:
+    def _fuse(self, pieces: list[Piece]) -> tuple[asyncio.Future[Any] | None, list[Piece], set[int]]:
         """Ask the service for the hidden states the fused input checks need: the capture's
-        future and the plans it serves (those of the first guard's layer and length)."""
+        future, the pieces it covers, and the plans it serves (those that want the first
+        guard's layer, length and pieces: one capture per request)."""
         candidates = {i: plan for i, plan in enumerate(self.plans) if plan.mode != "sequential"
-                      and plan.applies("input") and is_hidden_state_guard(plan.guard)}
+                      and plan.inputs(pieces) and is_hidden_state_guard(plan.guard)}
         if not (self.fused_input and candidates):
-            return None, set()
+            return None, [], set()
         service, prepared = self.job.service, self.job.prepared
         model = service.hidden_state_model()
-        needs = {i: _hidden_need(plan.guard, model) for i, plan in candidates.items()} if model is not None else {}
+        needs = {}
+        if model is not None:
+            for i, plan in candidates.items():
+                need = _hidden_need(plan.guard, model)
+                covered = fused_pieces(plan.guard, plan.inputs(pieces)) if need is not None else []
+                needs[i] = (need, tuple(covered)) if covered else None
         spec = next((need for need in needs.values() if need is not None), None)
-        capture = (text_capture(self.tokenizer, prepared.prompt_ids, pieces, num_layers=spec[0], max_tokens=spec[1])
-                   if spec is not None else None)
+        capture = None
+        if spec is not None:
+            (num_layers, max_tokens), covered = spec
+            capture = text_capture(self.tokenizer, prepared.prompt_ids, [p.text for p in covered],
+                                   num_layers=num_layers, max_tokens=max_tokens)
         future = None
         if capture is not None:
             try:
@@ -290,15 +319,22 @@ class GuardedResponse:
         fused = {i for i, need in needs.items() if need == spec} if future is not None else set()
         for i, plan in candidates.items():
             self._count_fused(plan, "fused" if i in fused else "unfused")
-        return future, fused
+        return future, list(spec[1]) if future is not None and spec else [], fused
 
     def _count_fused(self, plan: GuardPlan, outcome: str) -> None:
         self.ctx.count("parallel_safety_fused_checks_total", help="input checks of hidden-state guards: fused "
                        "(a capture asked for), unfused (none possible), lost (a fused one checked standalone)",
                        guard=plan.guard.name, outcome=outcome)
 
-    async def _fused_input_check(self, i: int, plan: GuardPlan, text: str, capture: asyncio.Future[Any]) -> None:
-        pending = asyncio.ensure_future(plan.guard.check_hidden(_vector_of(capture), stage="input"))
+    async def _fused_input_check(self, i: int, plan: GuardPlan, pieces: list[Piece], covered: list[Piece],
+                                 capture: asyncio.Future[Any]) -> None:
+        rest = [p for p in pieces if p not in covered]
+        parts = [asyncio.ensure_future(plan.guard.check_hidden(_vector_of(capture), stage="input", pieces=covered))]
+        if rest:  # what the capture does not cover is checked the standalone way, alongside
+            parts.append(asyncio.ensure_future(run_check(plan.guard, rest, "input", timeout_s=plan.timeout_s,
+                                                         fail_open=plan.fail_open, ctx=self.ctx)))
+        pending = asyncio.ensure_future(_first_block(parts))
+        pending.add_done_callback(lambda done: [part.cancel() for part in parts] if done.cancelled() else None)
         try:
             hidden = await asyncio.shield(capture)  # the prefill passing the text: not the guard's time
         except BaseException:
@@ -308,14 +344,14 @@ class GuardedResponse:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
             self._count_fused(plan, "lost")
-            verdict = await self._check(plan, text, "input")
+            verdict = await self._check(plan, pieces, "input")
         else:
-            verdict = await run_check(plan.guard, text, "input", timeout_s=plan.timeout_s, fail_open=plan.fail_open,
-                                      ctx=self.ctx, pending=pending)
+            verdict = await run_check(plan.guard, covered, "input", timeout_s=plan.timeout_s,
+                                      fail_open=plan.fail_open, ctx=self.ctx, pending=pending)
         self._input_verdict(i, plan, verdict, "standalone" if hidden is None else "fused")
 
-    async def _input_check(self, i: int, plan: GuardPlan, text: str) -> None:
-        self._input_verdict(i, plan, await self._check(plan, text, "input"), "standalone")
+    async def _input_check(self, i: int, plan: GuardPlan, pieces: list[Piece]) -> None:
+        self._input_verdict(i, plan, await self._check(plan, pieces, "input"), "standalone")
 
     def _observe_verdict(self, plan: GuardPlan, path: str) -> None:
         self.ctx.observe("parallel_safety_input_verdict_seconds", time.perf_counter() - self.started,
@@ -339,7 +375,7 @@ class GuardedResponse:
             stop = min(end, len(self.token_ids))
             if stop > self.covered[i]:
                 text = self.tokenizer.decode(self.token_ids[max(0, end - c.chunk_tokens):stop])
-                verdict = await self._check(plan, text, "output")
+                verdict = await self._check(plan, [Piece(text, "output")], "output")
                 if not verdict.passed:
                     self.queue.put_nowait(("trip", _Tripped(verdict, "output")))
                     return

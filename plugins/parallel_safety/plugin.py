@@ -45,7 +45,9 @@ class BuiltinGuards:
             if self._classifier is None:
                 from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
 
-                self._classifier = ClassifierGuard(threshold=self.config.classifier_threshold,
+                self._classifier = ClassifierGuard(routes=self.config.classifier_heads,
+                                                   max_false_positive_rate=self.config.max_false_positive_rate,
+                                                   threshold=self.config.classifier_threshold,
                                                    threads=self.config.classifier_threads,
                                                    fused=self.config.fused_input)
         except BaseException as exc:
@@ -68,10 +70,11 @@ class LazyClassifier:
     from captured hidden states (a fused input check)."""
 
     name = "smollm2_classifier"
-    stages = ("input", "output")
 
     def __init__(self, owner: BuiltinGuards) -> None:
         self.owner = owner
+        # its stages follow the configured routes, known before the weights are
+        self.stages = ("input", "output") if owner.config.classifier_heads.get("output") else ("input",)
 
     async def ready(self) -> None:
         await asyncio.to_thread(self.owner.classifier)
@@ -79,11 +82,17 @@ class LazyClassifier:
     async def check(self, text: str, *, stage: Any) -> Any:
         return await self.owner.classifier().check(text, stage=stage)
 
+    async def check_pieces(self, pieces: Any, *, stage: Any) -> Any:
+        return await self.owner.classifier().check_pieces(pieces, stage=stage)
+
+    def fused_pieces(self, pieces: Any) -> Any:
+        return self.owner.classifier().fused_pieces(pieces)
+
     def hidden_capture(self, model: Any) -> tuple[int, int] | None:
         return self.owner.classifier().hidden_capture(model)
 
-    async def check_hidden(self, hidden: Any, *, stage: Any) -> Any:
-        return await self.owner.classifier().check_hidden(hidden, stage=stage)
+    async def check_hidden(self, hidden: Any, *, stage: Any, pieces: Any) -> Any:
+        return await self.owner.classifier().check_hidden(hidden, stage=stage, pieces=pieces)
 
 
 def plans_for(config: ParallelSafetyConfig, guards: list[Guard], model: str) -> list[GuardPlan]:
@@ -100,6 +109,7 @@ def plans_for(config: ParallelSafetyConfig, guards: list[Guard], model: str) -> 
             mode=(settings.mode if settings and settings.mode else default),
             timeout_s=(settings.timeout_s if settings and settings.timeout_s else config.guard_timeout_s),
             fail_open=(settings.fail_open if settings and settings.fail_open is not None else config.fail_open),
+            item_types=tuple(settings.item_types) if settings and settings.item_types is not None else None,
         ))
     return plans
 

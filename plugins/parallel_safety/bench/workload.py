@@ -1,5 +1,7 @@
 """Workload ``safety``: time to first released token with no guard, sequential, and each
-parallel mode, across guard latencies and prompt lengths; and tokens leaked before a cut.
+parallel mode, across guard latencies and prompt lengths; tokens leaked before a cut; and,
+in the ``accuracy`` column, how often the built-in guards refuse ordinary traffic and how
+much they catch, per guard and stage (:mod:`.accuracy`).
 
 Columns are modes (``no_guard``, ``sequential``, ``stream_then_cut``, ``hold_until_pass``),
 all on the engine of the first stack, through the real response chain
@@ -91,7 +93,7 @@ class SafetyWorkload(Workload):
 
     def columns(self, stacks: list[ResolvedStack]) -> list[str]:
         # sequential first and stream_then_cut last: the ratio column is parallel overhead over sequential
-        return ["sequential", "no_guard", "hold_until_pass", "stream_then_cut"]
+        return ["sequential", "no_guard", "accuracy", "hold_until_pass", "stream_then_cut"]
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         from loopstack.api.server import engine_from_table
@@ -108,6 +110,7 @@ class SafetyWorkload(Workload):
         self.store = ResponseStore(Path(self._tmp.name) / "store.sqlite3", ttl_s=3600)
         self.service = ResponsesService(self.engine, self.store, model_name=stacks[0].engine.model)
         self.classifier = _GuardSource.classifier = ClassifierGuard()
+        self.options = options
         self._runtimes[("no_guard", 0)] = self._runtime(None, 0)
         for mode in MODES:
             self._runtimes[(mode, "leak")] = self._runtime(mode, 0, stages=("input", "output"))
@@ -187,7 +190,7 @@ class SafetyWorkload(Workload):
 
     async def _settle(self) -> None:
         # a cancelled check's forward keeps running on its thread: let it end before the next request
-        await asyncio.to_thread(self.classifier.features.wait_idle)
+        await asyncio.to_thread(self.classifier.wait_idle)
         await asyncio.sleep(0.02)
 
     async def _guard_seconds(self, text: str, delay_ms: int) -> float:
@@ -224,8 +227,33 @@ class SafetyWorkload(Workload):
         now = os.getloadavg()[0]
         loads["min"], loads["max"] = min(loads["min"], now), max(loads["max"], now)
 
+    async def _accuracy(self) -> dict[str, float]:
+        """False positives and recall of the built-in guards (:mod:`.accuracy`), measured once:
+        the classifier with every head routed where it can go, so the opt-in ones are measured too."""
+        from loopstack.plugins.parallel_safety.bench import accuracy
+        from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
+        from loopstack.plugins.parallel_safety.modes import Chunking
+        from loopstack.plugins.parallel_safety.patterns import PatternGuard
+
+        classifier = ClassifierGuard(routes=accuracy.MEASURED_ROUTES, fused=False)
+        patterns, chunking = PatternGuard(), Chunking()
+        out = await asyncio.to_thread(accuracy.everyday, classifier, patterns, self.engine.tokenizer, chunking,
+                                      quick=self.options.quick)
+        if not self.options.quick and self.options.data_dir.is_dir():
+            out |= await asyncio.to_thread(accuracy.dataset, classifier, patterns, self.options.data_dir)
+        self._config["accuracy"] = {"routes": {t: list(c) for t, c in accuracy.MEASURED_ROUTES.items()},
+                                    "shipped_routes": {t: list(c) for t, c in self.classifier.routes.items()},
+                                    "max_false_positive_rate": classifier.max_false_positive_rate,
+                                    "thresholds": {f"{t}/{c}": round(v, 4) for (t, c), v in
+                                                   classifier.thresholds.items()},
+                                    "dataset": "measured" if "loso.fp.smollm2_classifier.worst" in out else
+                                    "skipped (--quick, or ../shared/data absent)"}
+        return out
+
     async def step(self, column: str, index: int) -> dict[str, float]:
         self._note_load()
+        if column == "accuracy":
+            return await self._accuracy() if index == 0 else {}
         out: dict[str, float] = {}
         baseline = self._runtimes[("no_guard", 0)]
         samples: dict[str, list[float]] = {}

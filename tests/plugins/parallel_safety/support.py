@@ -155,7 +155,7 @@ class FusedGuard(ScriptedGuard):
     def hidden_capture(self, model: Any) -> tuple[int, int] | None:
         return self.num_layers, self.max_tokens
 
-    async def check_hidden(self, hidden: Any, *, stage: str) -> Verdict:
+    async def check_hidden(self, hidden: Any, *, stage: str, pieces: Any = ()) -> Verdict:
         vector = await hidden
         self.hidden_checks.append((vector, time.perf_counter()))
         await asyncio.sleep(self.hidden_delay_s)

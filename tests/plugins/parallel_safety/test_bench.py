@@ -25,7 +25,11 @@ def test_quick_run_reports_overheads_per_mode_and_no_leak_in_hold():
     stack = StackLoader(PluginCatalog.discover(use_entry_points=False)).load(REPO / "stacks" / "baseline.toml")
     options = BenchOptions(quick=True, data_dir=SHARED_DATA)
     result = asyncio.run(run_bench(workload, [stack], options, progress=False))
-    assert result.columns == ["sequential", "no_guard", "hold_until_pass", "stream_then_cut"]
+    assert result.columns == ["sequential", "no_guard", "accuracy", "hold_until_pass", "stream_then_cut"]
+    # the everyday set, every eighth item in --quick: no ordinary input refused by the shipped classifier
+    assert result.metrics["everyday.fp.smollm2_classifier.input"]["accuracy"] == 0
+    assert result.metrics["everyday.fp.injection_patterns.input"]["accuracy"] == 0
+    assert 0 < result.metrics["everyday.items"]["accuracy"] < 100
     for mode in ("sequential", "hold_until_pass", "stream_then_cut"):
         for label in ("real", "real+200ms"):
             assert mode in result.metrics[f"ttft_overhead_ms.{label}"]

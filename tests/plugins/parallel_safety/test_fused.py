@@ -172,7 +172,7 @@ def test_spans_of_every_new_piece_in_order_including_trimmed_ones():
     tokenizer = special_tokenizer()
     items = [{"role": "user", "content": "read the page"},
              {"type": "function_call_output", "call_id": "c", "output": "  page text  "}]
-    pieces = input_pieces(items)
+    pieces = [p.text for p in input_pieces(items)]
     old = "<|turn|>user\nread the page<|turn|>\n" * 3  # the same text earlier in the history
     prompt = f"{old}<|turn|>user\nread the page<|turn|>\n<|turn|>tool\npage text<|turn|>\n<|turn|>assistant\n"
     ids = tokenizer.encode(prompt)
@@ -209,7 +209,7 @@ def test_a_real_jailbreak_trips_the_fused_classifier_before_any_token(tmp_path):
     from loopstack.api.auth import ANONYMOUS
     from loopstack.api.schemas import ResponsesRequest
     from loopstack.engine import AsyncEngine, build_engine
-    from loopstack.plugins.parallel_safety.classifier import IN_CONTEXT_WEIGHTS_PATH
+    from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH
 
     if not IN_CONTEXT_WEIGHTS_PATH.is_file():
         pytest.skip("no in-context weights (scripts/fit_safety_guard.py --features in_context)")
