@@ -22,7 +22,8 @@ Features (``--features``):
   CPU by default) with the fused check's own capture (``fused.text_capture``), to
   ``data/safety_guard_in_context.npz``. Train and serve share every step. Only user turns
   (the ``jailbreak`` head): the injection head reads segments, which a prefill's mean
-  cannot give, so a fused check judges user turns only.
+  cannot give, so a fused check judges user turns only. Texts are cut to 1,000 characters
+  (``IN_CONTEXT_CHARS``) to keep the prefill of the whole set under half an hour.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +55,9 @@ from loopstack.plugins.parallel_safety.fitting import (
     segment_arrays,
 )
 from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH, MODEL_FINGERPRINT, WEIGHTS_PATH
+
+
+IN_CONTEXT_CHARS = 1000
 
 
 def in_context_extractor(stack: Path, num_layers: int, max_tokens: int) -> tuple[Callable, dict[str, object]]:
@@ -134,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     examples: list[Example] = build_examples(args.data)
     model: dict[str, object] | None = None
     if in_context:
-        examples = [e for e in examples if e.content == USER]  # the fused check judges user turns
+        # the fused check judges user turns; a long one is cut to IN_CONTEXT_CHARS here (the head
+        # and tail of the capture then see its start and the cut, not its true end): the whole set
+        # at full length takes over an hour to prefill on 2 cores
+        examples = [replace(e, text=e.text[:IN_CONTEXT_CHARS]) for e in examples if e.content == USER]
         extract, model = in_context_extractor(args.stack, args.layers, args.max_tokens)
         x = cached_features([f"{e.content}\x00{e.text}" for e in examples], extract, args.cache, batch=16)
         data = Labelled.of(examples, x)  # hidden states only: the fused check judges user turns

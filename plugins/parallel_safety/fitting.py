@@ -19,6 +19,7 @@ folds). On the labelled set of :mod:`.bench.dataset`:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -250,7 +251,8 @@ def evaluate(heads: CalibratedHeads, data: Labelled, rows: np.ndarray, max_false
     flagged = flags(heads, data, rows, max_false_positive_rate, routes)
     out: dict[str, Any] = {"thresholds": {f"{c}/{content}": round(heads.heads[c].threshold(content,
                                                                                               max_false_positive_rate), 4)
-                                          for content, cats in routes.items() for c in cats}}
+                                          for content, cats in routes.items() for c in cats
+                                          if c in heads.heads and content in heads.heads[c].benign}}
     benign = rows & (data.category == BENIGN)
     out["false_positives"] = {
         content: {"all": rate(flagged[benign & (data.content == content)]),
@@ -313,20 +315,27 @@ def cached_features(texts: Sequence[str], extract: Callable[[list[str]], list[np
     known: dict[str, np.ndarray] = {}
     if cache is not None and cache.exists():
         with np.load(cache, allow_pickle=False) as data:
-            known = dict(zip(data["texts"].tolist(), data["x"]))
-    todo = list(dict.fromkeys(t for t in texts if t not in known))
+            keys = data["keys"].tolist() if "keys" in data else [text_key(t) for t in data["texts"].tolist()]
+            known = dict(zip(keys, data["x"]))  # (an older cache kept the texts themselves)
+    keys = [text_key(t) for t in texts]
+    todo = list({k: t for k, t in zip(keys, texts) if k not in known}.items())
     saved = len(known)
     with tqdm(total=len(todo), desc=desc, unit="text", file=sys.stderr, mininterval=10,
               disable=not todo) as bar:
         for start in range(0, len(todo), batch):
             part = todo[start:start + batch]
-            known.update(zip(part, extract(part)))
+            known.update(zip((k for k, _ in part), extract([t for _, t in part])))
             bar.update(len(part))
             if cache is not None and (len(known) - saved >= 200 or start + batch >= len(todo)):
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                np.savez(cache, x=np.stack(list(known.values())), texts=np.array(list(known)))
+                np.savez(cache, x=np.stack(list(known.values())), keys=np.array(list(known)))
                 saved = len(known)
-    return np.stack([known[t] for t in texts])
+    return np.stack([known[k] for k in keys])
+
+
+def text_key(text: str) -> str:
+    """A feature cache's key of ``text`` (its sha256: the cache never holds the texts)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def segment_arrays(examples: Sequence[Example], features: Any, cache: Path | None) -> tuple[list[np.ndarray],

@@ -29,7 +29,8 @@ BIPIA's own test e-mails and test attack strings (other attack families than the
 ones) only ever appear in ``test``. Leave-one-source-out folds drop a whole source (its
 benign items and, for a carrier, its injected ones) from fit and calibration.
 
-The everyday set (``everyday.jsonl``, written for this project) is never part of this.
+The everyday set (``everyday.jsonl``, written for this project) is never part of this: a
+public text equal to an everyday one is dropped.
 """
 
 from __future__ import annotations
@@ -324,7 +325,9 @@ def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURC
         examples.append(Example(text, INJECTION if family else BENIGN, TOOL, "ipi-coding-agent", "test", family))
     for source, texts in _outputs(data_dir).items():
         examples += [Example(t, BENIGN, OUTPUT, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
-    return examples
+    # a public source may hold an everyday text verbatim (ChatterBot has "Hi"): it stays out of the fit
+    everyday = {item.text.strip() for item in everyday_items()}
+    return [e for e in examples if e.text.strip() not in everyday]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,53 @@
+"""The labelled safety set: what each split holds, and that the everyday set stays out of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopstack.plugins.parallel_safety.bench.dataset import (
+    BENIGN,
+    INJECTION,
+    bipia_attacks,
+    build_examples,
+    everyday_items,
+)
+from tests.support import SHARED_DATA
+
+pytestmark = pytest.mark.needs_data
+
+
+@pytest.fixture(scope="module")
+def examples():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data not found at {SHARED_DATA}; skipping")
+    return build_examples(SHARED_DATA)
+
+
+def test_bipia_test_attacks_only_ever_appear_in_the_test_split(examples):
+    test_attacks = {a for a, _ in bipia_attacks(SHARED_DATA, "test")}
+    for e in examples:
+        if e.category == INJECTION and e.split != "test":
+            assert e.payload not in test_attacks and not any(a in e.text for a in test_attacks)
+    in_test = {e.payload for e in examples if e.split == "test" and e.attack.startswith("bipia")}
+    assert in_test == test_attacks  # every test attack string is measured
+
+
+def test_every_content_has_benign_calibration_sources_and_injected_payloads_are_known(examples):
+    for content in ("user", "tool", "output"):
+        sources = {e.source for e in examples if e.content == content and e.category == BENIGN
+                   and e.split == "calibration"}
+        assert len(sources) >= 3, content
+    injected = [e for e in examples if e.category == INJECTION and e.source != "ipi-coding-agent"]
+    assert injected and all(e.payload and e.payload in e.text for e in injected)
+
+
+def test_the_everyday_set_is_never_part_of_the_labelled_set(examples):
+    everyday = {item.text for item in everyday_items()}
+    assert len(everyday) >= 300
+    assert not everyday & {e.text for e in examples}
+
+
+def test_the_set_is_deterministic():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data not found at {SHARED_DATA}; skipping")
+    assert build_examples(SHARED_DATA)[:50] == build_examples(SHARED_DATA)[:50]
