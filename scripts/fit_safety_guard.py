@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,6 @@ from loopstack.plugins.parallel_safety.fitting import (
     segment_arrays,
 )
 from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH, MODEL_FINGERPRINT, WEIGHTS_PATH
-
 
 IN_CONTEXT_CHARS = 1000
 
