@@ -22,7 +22,8 @@ Features (``--features``):
   CPU by default) with the fused check's own capture (``fused.text_capture``), to
   ``data/safety_guard_in_context.npz``. Train and serve share every step. Only user turns
   (the ``jailbreak`` head): the injection head reads segments, which a prefill's mean
-  cannot give, so a fused check judges user turns only. Texts are cut to 1,000 characters
+  cannot give, so a fused check judges user turns only, of at least ``MIN_FUSED_CHARS``
+  characters (shorter ones are judged standalone). Texts are cut to 1,000 characters
   (``IN_CONTEXT_CHARS``) to keep the prefill of the whole set under half an hour.
 """
 
@@ -40,6 +41,7 @@ import torch
 
 from loopstack.bench.workload import SHARED_DATA
 from loopstack.plugins.parallel_safety.bench.dataset import TOOL, USER, Example, build_examples
+from loopstack.plugins.parallel_safety.classifier import MIN_FUSED_CHARS
 from loopstack.plugins.parallel_safety.features import (
     DEFAULT_LAYERS,
     DEFAULT_MAX_TOKENS,
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         # the fused check judges user turns; a long one is cut to IN_CONTEXT_CHARS here (the head
         # and tail of the capture then see its start and the cut, not its true end): the whole set
         # at full length takes over an hour to prefill on 2 cores
-        examples = [replace(e, text=e.text[:IN_CONTEXT_CHARS]) for e in examples if e.content == USER]
+        examples = [replace(e, text=e.text[:IN_CONTEXT_CHARS]) for e in examples
+                    if e.content == USER and len(e.text) >= MIN_FUSED_CHARS]  # shorter turns are never fused
         extract, model = in_context_extractor(args.stack, args.layers, args.max_tokens)
         x = cached_features([f"{e.content}\x00{e.text}" for e in examples], extract, args.cache, batch=16)
         data = Labelled.of(examples, x)  # hidden states only: the fused check judges user turns

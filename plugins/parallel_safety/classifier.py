@@ -38,6 +38,10 @@ CONTENT_OF_ITEM: dict[str, str] = {"message": "user", "function_call_output": "t
 DEFAULT_ROUTES: dict[ItemType, tuple[str, ...]] = {"message": ("jailbreak",), "function_call_output": ("injection",),
                                                    "tool_search_output": ("injection",), "output": ()}
 DEFAULT_MAX_FALSE_POSITIVE_RATE = 0.01
+# a user turn shorter than this is judged standalone, never fused: the mean of a span of a few
+# tokens inside the prompt is no text's features (the in-context head scored "s" 0.9997), and a
+# forward over a few tokens costs little; the in-context heads are fitted on longer turns only
+MIN_FUSED_CHARS = 40
 
 
 def _thresholds(heads: CalibratedHeads, routes: Mapping[str, Sequence[str]], max_false_positive_rate: float,
@@ -177,8 +181,8 @@ class ClassifierGuard:
     def fused_pieces(self, pieces: Sequence[Piece]) -> list[Piece]:
         """The one capture of a request covers content of one kind whose heads read hidden
         states: the user turns by default (segment heads, the injection one, need a forward
-        of their own)."""
-        judged = [p for p in self.judged(pieces) if self._fusable(p.item_type)
+        of their own), those of at least :data:`MIN_FUSED_CHARS` characters."""
+        judged = [p for p in self.judged(pieces) if self._fusable(p.item_type) and len(p.text) >= MIN_FUSED_CHARS
                   and set(self._fusable(p.item_type)) == set(self.routes[p.item_type])]
         users = [p for p in judged if CONTENT_OF_ITEM[p.item_type] == "user"]
         return users or [p for p in judged if CONTENT_OF_ITEM[p.item_type] == "tool"]

@@ -11,6 +11,10 @@ default routes and ``max_false_positive_rate``):
   classifier has no output head by default; its output figures are for the heads one can
   route there (``output[jailbreak]``, ``output[injection]``), at their own calibrated
   thresholds.
+* ``everyday.fp.smollm2_classifier.input.user.served``: the everyday user turns sent as real
+  requests through the response chain on the bench's engine, the shipped classifier in
+  ``hold_until_pass`` (fused where it can be: ``everyday.served_fused_frac``), as the
+  ``full`` stack serves them.
 * ``loso.*`` (needs ``../shared/data``): leave-one-source-out, refitted here for every
   benign source from cached features (:func:`.fitting.leave_one_source_out`): the
   false-positive rate on the left-out source, and recall on it when it carries injections;

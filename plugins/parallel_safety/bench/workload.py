@@ -239,6 +239,7 @@ class SafetyWorkload(Workload):
         patterns, chunking = PatternGuard(), Chunking()
         out = await asyncio.to_thread(accuracy.everyday, classifier, patterns, self.engine.tokenizer, chunking,
                                       quick=self.options.quick)
+        out |= await self._served_everyday()
         if not self.options.quick and self.options.data_dir.is_dir():
             out |= await asyncio.to_thread(accuracy.dataset, classifier, patterns, self.options.data_dir)
         self._config["accuracy"] = {"routes": {t: list(c) for t, c in accuracy.MEASURED_ROUTES.items()},
@@ -249,6 +250,24 @@ class SafetyWorkload(Workload):
                                     "dataset": "measured" if "loso.fp.smollm2_classifier.worst" in out else
                                     "skipped (--quick, or ../shared/data absent)"}
         return out
+
+    async def _served_everyday(self) -> dict[str, float]:
+        """The everyday user turns as served: each a real request (one output token) through the
+        response chain with the shipped classifier in hold_until_pass, fused when it can be,
+        as ``stacks/full.toml`` serves them. Counts refusals (``guard_tripped``)."""
+        from loopstack.plugins.parallel_safety.bench.accuracy import everyday_items
+
+        runtime = self._runtimes.setdefault(("hold_until_pass", "everyday"),
+                                            self._runtime("hold_until_pass", 0, stages=("input",)))
+        items = [i for i in everyday_items() if i.content == "user"][::8 if self.options.quick else 1]
+        before = self._totals(runtime)
+        refused = 0
+        for item in items:
+            _, _, tripped = await self._request(runtime, item.text, 1, stop_at_first=False)
+            refused += tripped
+        fused = self._totals(runtime)["fused"] - before["fused"]
+        return {"everyday.fp.smollm2_classifier.input.user.served": refused / len(items),
+                "everyday.served_fused_frac": fused / len(items)}
 
     async def step(self, column: str, index: int) -> dict[str, float]:
         self._note_load()
