@@ -5,9 +5,10 @@ One logistic-regression head per unsafe category (:mod:`.features`): ``jailbreak
 turn's hidden states (fitted on user turns), ``injection`` on the sentence embeddings of the
 segments of content from outside (tool outputs, search results, tool descriptions), where a
 text scores its most suspicious segment. A head's raw logit
-``z = ((x - mean) / std) @ coef + intercept`` (a segment head: the highest over segments) is turned into a calibrated probability by
-Platt scaling, ``p = sigmoid(a * z + b)``, fitted on the calibration split with both classes
-weighing half (a probability at even prior odds). Each head keeps the sorted calibrated
+``z = ((x - mean) / std) @ coef + intercept`` (a segment head: the highest over segments)
+is turned into a calibrated probability by Platt scaling, ``p = sigmoid(a * z + b)``,
+fitted on the calibration split with both classes weighing half (a probability at even
+prior odds). Each head keeps the sorted calibrated
 probabilities of the benign calibration rows of every kind of content, source by source, so
 the threshold for any false-positive target is read off them when the guard starts
 (:meth:`Head.threshold`): the stack option ``max_false_positive_rate`` needs no refit.
