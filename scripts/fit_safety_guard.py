@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from loopstack.bench.workload import SHARED_DATA
-from loopstack.plugins.parallel_safety.bench.dataset import TOOL, USER, Example, build_examples
+from loopstack.plugins.parallel_safety.bench.dataset import USER, Example, build_examples
 from loopstack.plugins.parallel_safety.classifier import MIN_FUSED_CHARS
 from loopstack.plugins.parallel_safety.features import (
     DEFAULT_LAYERS,
@@ -62,9 +62,8 @@ IN_CONTEXT_CHARS = 1000
 
 
 def in_context_extractor(stack: Path, num_layers: int, max_tokens: int) -> tuple[Callable, dict[str, object]]:
-    """Features of examples inside a Responses prompt, captured by the engine's prefill; and the
-    fingerprint of the model they belong to. Outside content is rendered as a function call's
-    output, user turns as the user message."""
+    """Features of user turns inside a Responses prompt (the user message of a rendered request),
+    captured by the engine's prefill; and the fingerprint of the model they belong to."""
     from types import SimpleNamespace
 
     from loopstack import PluginCatalog, StackLoader
@@ -84,21 +83,12 @@ def in_context_extractor(stack: Path, num_layers: int, max_tokens: int) -> tuple
     params = SamplingParams(max_tokens=1, temperature=0.0)
     ids = iter(range(1 << 62))
 
-    def request(key: str) -> ResponsesRequest:
-        content, text = key.split("\x00", 1)
-        if content != TOOL:
-            return ResponsesRequest(input=text)
-        return ResponsesRequest(input=[
-            {"type": "message", "role": "user", "content": "Please look this up."},
-            {"type": "function_call", "call_id": "call_1", "name": "fetch", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "call_1", "output": text}])
-
     def extract(keys: list[str]) -> list[np.ndarray]:
         seqs = []
         for key in keys:
-            prepared = service.prepare(request(key), ANONYMOUS)
-            pieces = [p.text for p in input_pieces(prepared.new_items)
-                      if (p.item_type == "message") == (not key.startswith(TOOL + "\x00"))]
+            text = key.split("\x00", 1)[1]  # keys are "<content>\x00<text>"; only user turns are fused
+            prepared = service.prepare(ResponsesRequest(input=text), ANONYMOUS)
+            pieces = [p.text for p in input_pieces(prepared.new_items) if p.item_type == "message"]
             capture = text_capture(engine.tokenizer, prepared.prompt_ids, pieces, num_layers=num_layers,
                                    max_tokens=max_tokens)
             if capture is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,6 +83,30 @@ class Chunking:
     chunk_tokens: int = 32
     overlap_tokens: int = 8
     first_chunk_tokens: int = 8
+
+    def window_ends(self) -> Iterator[int]:
+        """Where each output window ends, in generated tokens (without end)."""
+        end = self.first_chunk_tokens
+        while True:
+            yield end
+            end += self.chunk_tokens - self.overlap_tokens
+
+    def start(self, end: int) -> int:
+        return max(0, end - self.chunk_tokens)
+
+    def windows(self, num_tokens: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every window the output checks of a finished stream of
+        ``num_tokens`` tokens judge (what :meth:`GuardedResponse._output_checks` checks)."""
+        out: list[tuple[int, int]] = []
+        covered = 0
+        for end in self.window_ends():
+            stop = min(end, num_tokens)
+            if stop > covered:
+                out.append((self.start(end), stop))
+                covered = stop
+            if stop < end:
+                return out
+        return out
 
 
 def input_text(items: list[dict[str, Any]]) -> str:
@@ -368,13 +392,12 @@ class GuardedResponse:
 
     async def _output_checks(self, i: int, plan: GuardPlan) -> None:
         c = self.chunking
-        end = c.first_chunk_tokens
-        while True:
+        for end in c.window_ends():
             async with self.grew:
                 await self.grew.wait_for(lambda end=end: len(self.token_ids) >= end or self.finished)
             stop = min(end, len(self.token_ids))
             if stop > self.covered[i]:
-                text = self.tokenizer.decode(self.token_ids[max(0, end - c.chunk_tokens):stop])
+                text = self.tokenizer.decode(self.token_ids[c.start(end):stop])
                 verdict = await self._check(plan, [Piece(text, "output")], "output")
                 if not verdict.passed:
                     self.queue.put_nowait(("trip", _Tripped(verdict, "output")))
@@ -383,7 +406,6 @@ class GuardedResponse:
                 self.queue.put_nowait(("progress", None))
             if stop < end:  # the stream ended inside this window: every token is checked
                 break
-            end += c.chunk_tokens - c.overlap_tokens
         self.done.add((i, "output"))
         self.queue.put_nowait(("progress", None))
 

@@ -64,14 +64,7 @@ FEATURE_CACHE = Path(".loopstack/cache/safety_standalone_features.npz")
 def output_windows(tokenizer: Any, text: str, chunking: Chunking) -> list[str]:
     """The texts an output guard sees of an answer, as :class:`~.modes.GuardedResponse` cuts them."""
     ids = tokenizer.encode(text)
-    windows, end = [], chunking.first_chunk_tokens
-    while True:
-        stop = min(end, len(ids))
-        if stop > 0:
-            windows.append(tokenizer.decode(ids[max(0, end - chunking.chunk_tokens):stop]))
-        if stop < end:
-            return windows
-        end += chunking.chunk_tokens - chunking.overlap_tokens
+    return [tokenizer.decode(ids[start:stop]) for start, stop in chunking.windows(len(ids))]
 
 
 def _put(out: dict[str, float], key: str, flags_: Any, *, ci: bool = True) -> None:
@@ -129,8 +122,8 @@ def dataset(classifier: Any, patterns: Any, data_dir: Path, *, cache: Path = FEA
     loso = leave_one_source_out(data, max_false_positive_rate=target, num_layers=heads.num_layers,
                                 max_tokens=heads.max_tokens, **({"l2_grid": l2_grid} if l2_grid else {}))
     for source, fold in loso["folds"].items():
-        _put(out, f"loso.fp.smollm2_classifier.{fold['content']}.{source}", [True] * fold["false_positives"]["k"] +
-             [False] * (fold["false_positives"]["n"] - fold["false_positives"]["k"]))
+        key, fp = f"loso.fp.smollm2_classifier.{fold['content']}.{source}", fold["false_positives"]
+        out[key], out[key + ".ci_hi"] = float(fp["rate"]), fp["ci95"][1]
         if "recall" in fold:
             out[f"loso.recall.smollm2_classifier.{source}"] = float(fold["recall"]["rate"])
     out["loso.fp.smollm2_classifier.worst"] = float(loso["worst_false_positive_rate"])

@@ -161,3 +161,13 @@ def test_leave_one_source_out_measures_a_source_on_a_fit_without_it():
     # fitted on "plain" alone, the closer "odd" source is refused far more than the target
     assert result["worst"] == "odd" and result["worst_false_positive_rate"] > 0.05
     assert result["folds"]["plain"]["false_positives"]["rate"] <= 0.05
+
+
+def test_output_windows_of_a_finished_stream_cover_every_token_once_per_window():
+    from loopstack.plugins.parallel_safety.modes import Chunking
+
+    c = Chunking()  # 8 first, then 32-token windows every 24
+    assert c.windows(5) == [(0, 5)]
+    assert c.windows(32) == [(0, 8), (0, 32)]  # a stream ending on a window's end adds no empty window
+    assert c.windows(40) == [(0, 8), (0, 32), (24, 40)]
+    assert c.windows(0) == []
