@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from loopstack.context import RequestContext
+    from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
     from loopstack.types import MiddlewareFactory, PromptIds, PromptRequest, StreamedToolCall
@@ -83,9 +86,17 @@ class HookFacade:
         return [guard for result in self.caller("loopstack_guards")(ctx=ctx) for guard in result]
 
     # inference
-    def route(self, request: Any, replicas: list[Any], ctx: RequestContext) -> int | None:
-        choice: int | None = self.caller("loopstack_route")(request=request, replicas=replicas, ctx=ctx)
-        return choice
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaView], ctx: RequestContext | None) -> RouteDecision | None:
+        """The plugins' choice (a bare index becomes a decision with reason ``plugin``), or None."""
+        from loopstack.inference.types import RouteDecision
+
+        choice = self.caller("loopstack_route")(request=request, replicas=replicas, ctx=ctx)
+        if choice is None or isinstance(choice, RouteDecision):
+            return choice
+        return RouteDecision(int(choice), "plugin")
+
+    def router_started(self, router: RouterHandle) -> None:
+        self.caller("loopstack_router_started")(router=router)
 
     def proposer(self, ctx: RequestContext) -> Any | None:
         return self.caller("loopstack_proposer")(ctx=ctx)

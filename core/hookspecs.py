@@ -24,7 +24,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
+    from collections.abc import Sequence
+
     from loopstack.context import RequestContext
+    from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
     from loopstack.types import MiddlewareFactory, PromptIds, PromptRequest, StreamedToolCall, WorkloadInfo
@@ -185,9 +188,17 @@ def loopstack_guards(ctx: RequestContext) -> list[Any]:
 
 
 @hookspec(firstresult=True)
-def loopstack_route(request: Any, replicas: list[Any], ctx: RequestContext) -> int | None:
-    """Pick the replica (index into ``replicas``) that serves ``request``. Stops at first
-    non-None result; the default is round-robin."""
+def loopstack_route(request: RouteRequest, replicas: Sequence[ReplicaView], ctx: RequestContext | None) -> RouteDecision | int | None:
+    """Pick the replica that serves ``request``: a :class:`~loopstack.inference.RouteDecision` (or a
+    bare index into ``replicas``) among the healthy ones. Called by the router for every request to a
+    pool of more than one replica; ``ctx`` is the request's context (None in a trace replay). Stops
+    at first non-None result; the default is round robin."""
+
+
+@hookspec
+def loopstack_router_started(router: RouterHandle) -> None:
+    """Called once when a router has started its replicas: subscribe to its KV events and health
+    changes here (see :class:`~loopstack.inference.RouterHandle`)."""
 
 
 @hookspec(firstresult=True)

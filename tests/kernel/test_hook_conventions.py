@@ -127,7 +127,7 @@ def test_list_hooks_are_concatenated(runtime):
 def test_firstresult_hooks_stop_at_the_first_answer(runtime):
     ctx = runtime.context()
     assert ctx.hooks.serialize_request(request={}, ctx=ctx) == b"canonical"
-    assert ctx.hooks.route(request={}, replicas=["r0", "r1", "r2"], ctx=ctx) == 2
+    assert ctx.hooks.route(request={}, replicas=["r0", "r1", "r2"], ctx=ctx).index == 2
     assert ctx.hooks.proposer(ctx) == "ngram"
     assert ctx.hooks.client_transport(ctx) == "websocket"
     assert runtime.hooks.topology(engine_config="cfg") == {"prefill": 1, "decode": 1, "config": "cfg"}

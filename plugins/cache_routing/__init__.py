@@ -1,0 +1,28 @@
+"""Cache-aware routing: DESIGN.md technique 6; docs/techniques/cache-routing.md.
+
+The plugin class is in :mod:`.plugin`, its policies in :mod:`.policies` and :mod:`.cache_aware`, the
+indexes in :mod:`.block_index` (precise, from KV events) and :mod:`.routing_history` (approximate),
+vLLM's event feed in :mod:`.vllm_events`, the ``routing`` bench in :mod:`.bench`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from loopstack.hookspecs import hookimpl
+from loopstack.plugins.cache_routing.config import CacheRoutingConfig
+from loopstack.plugins.cache_routing.plugin import CacheRouting
+
+if TYPE_CHECKING:
+    from loopstack.bench.workload import Workload
+
+__all__ = ["PLUGIN", "CacheRouting", "CacheRoutingConfig"]
+
+PLUGIN = CacheRouting
+
+
+@hookimpl
+def loopstack_bench_workloads() -> list[Workload]:
+    from loopstack.plugins.cache_routing.bench.workload import RoutingWorkload
+
+    return [RoutingWorkload()]

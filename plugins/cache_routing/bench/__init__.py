@@ -1,0 +1,2 @@
+"""The ``routing`` bench: the Mooncake trace replayed against modelled replicas (``replay``), and
+its workload (``workload``)."""

@@ -1,0 +1,40 @@
+"""The ``[plugins.cache_routing]`` table."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loopstack.plugin import PluginConfig
+
+__all__ = ["CacheRoutingConfig", "PolicyName"]
+
+PolicyName = Literal["cache_aware", "round_robin", "random", "least_load", "session_affinity"]
+
+
+class CacheRoutingConfig(PluginConfig):
+    """Defaults measured on the Mooncake trace replay (docs/techniques/cache-routing.md)."""
+
+    policy: PolicyName = Field(
+        "cache_aware", description="routing policy (the others exist for comparison and A/B arms)"
+    )
+    mode: Literal["auto", "precise", "approximate"] = Field(
+        "auto",
+        description="precise: replicas' KV events; approximate: the router's routing history;"
+        " auto: precise for replicas that publish events, approximate for the rest",
+    )
+    balance: Literal["cost", "threshold"] = Field(
+        "cost", description="cost: uncached prefill plus queued work (Dynamo-style); threshold: SGLang-style"
+    )
+    prefill_weight: float = Field(1.0, ge=0, description="cost of one uncached prompt token of this request")
+    queue_weight: float = Field(0.1, ge=0, description="cost of one token of prefill already queued on the replica")
+    decode_weight: float = Field(0.0, ge=0, description="cost of one token held by the replica's running requests")
+    running_weight: float = Field(512.0, ge=0, description="cost (in prompt tokens) of each request the replica is running")
+    balance_abs_threshold: int = Field(8, ge=0, description="threshold: in-flight gap above which load wins")
+    balance_rel_threshold: float = Field(1.5, ge=1, description="threshold: and max above this many times min")
+    cache_threshold: float = Field(0.0, ge=0, le=1, description="threshold: share of the prompt a match must exceed")
+    history_ttl_s: float = Field(600.0, gt=0, description="approximate: how long a routed prefix counts as cached")
+    history_max_entries: int = Field(1_000_000, ge=1, description="approximate: (block, replica) pairs kept")
+    virtual_nodes: int = Field(64, ge=1, le=4096, description="session_affinity: ring points per replica")
+    seed: int | None = Field(None, description="random, least_load: RNG seed (None: from the OS)")

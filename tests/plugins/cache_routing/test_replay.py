@@ -1,0 +1,85 @@
+"""The trace replay: real block managers behind modelled replicas, every policy on the same trace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loopstack.bench.runner import run_bench
+from loopstack.bench.workload import BenchOptions
+from loopstack.inference import RoundRobin
+from loopstack.plugins.cache_routing.bench.replay import infinite_cache_hit_rate, replay
+from loopstack.plugins.cache_routing.bench.trace import MOONCAKE_TRACE, TraceRequest, load_trace
+from loopstack.plugins.cache_routing.bench.workload import RoutingWorkload
+from loopstack.plugins.cache_routing.config import CacheRoutingConfig
+from loopstack.plugins.cache_routing.plugin import build_policy
+from tests.support import SHARED_DATA
+
+
+def conversations(num_conversations=60, turns=5, seed=0):
+    """Multi-turn conversations behind one shared system block: turn k extends turn k-1."""
+    rng, requests, next_id = random.Random(seed), [], 1
+    for conversation in range(num_conversations):
+        ids = [0]
+        start = rng.uniform(0, 600)
+        for turn in range(turns):
+            ids = ids + list(range(next_id, next_id + 3))
+            next_id += 3
+            requests.append(TraceRequest(start + turn * 30.0, len(ids) * 512, 50, tuple(ids)))
+    return sorted(requests, key=lambda request: request.arrival_s)
+
+
+def run(policy_name, requests, num_replicas=4, capacity=200, **config):
+    policy, index = build_policy(CacheRoutingConfig(policy=policy_name, **config), num_replicas=num_replicas)
+    return replay(requests, policy, num_replicas=num_replicas, capacity_blocks=capacity, index=index)
+
+
+def test_cache_aware_beats_round_robin_on_conversations():
+    requests = conversations()
+    round_robin, cache_aware = run("round_robin", requests), run("cache_aware", requests, mode="precise")
+    assert cache_aware.hit_rate > 1.5 * round_robin.hit_rate
+    assert cache_aware.hit_rate >= 0.95 * infinite_cache_hit_rate(requests)
+    assert cache_aware.imbalance < 2.5
+    assert cache_aware.prefill_s < round_robin.prefill_s
+    assert cache_aware.hit_rate <= infinite_cache_hit_rate(requests) + 1e-9
+    assert cache_aware.predicted_hit_blocks == cache_aware.num_hit_blocks  # events keep the index exact
+
+
+def test_approximate_mode_is_close_to_precise_when_caches_are_large():
+    requests = conversations()
+    precise = run("cache_aware", requests, mode="precise", capacity=10_000)
+    approximate = run("cache_aware", requests, mode="approximate", capacity=10_000)
+    assert approximate.hit_rate >= 0.9 * precise.hit_rate
+
+
+def test_one_big_replica_reaches_the_infinite_cache_bound():
+    requests = conversations()
+    result = replay(requests, RoundRobin(), num_replicas=1, capacity_blocks=100_000)
+    assert result.hit_rate == pytest.approx(infinite_cache_hit_rate(requests))
+
+
+def test_small_caches_evict_and_lower_the_hit_rate():
+    requests = conversations()
+    assert run("cache_aware", requests, capacity=40).hit_rate < run("cache_aware", requests, capacity=400).hit_rate
+
+
+def test_a_request_larger_than_a_replica_is_an_error():
+    with pytest.raises(ValueError, match="needs 6 blocks; a replica has 4"):
+        replay([TraceRequest(0.0, 3000, 1, tuple(range(6)))], RoundRobin(), num_replicas=2, capacity_blocks=4)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / MOONCAKE_TRACE).exists(), reason=f"needs {SHARED_DATA / MOONCAKE_TRACE} (absent)")
+def test_the_routing_bench_runs_on_the_real_trace():
+    result = _run_quick_bench()
+    hit_rate = result.metrics["hit_rate@8x2000"]
+    assert hit_rate["cache_aware"] > 2.5 * hit_rate["round_robin"]
+    assert result.metrics["imbalance@8x2000"]["cache_aware"] < 1.5
+    assert result.config["infinite_cache_hit_rate"] > hit_rate["cache_aware"]
+    assert len(load_trace(SHARED_DATA / MOONCAKE_TRACE, limit=10)) == 10
+
+
+def _run_quick_bench():
+    import asyncio
+
+    return asyncio.run(run_bench(RoutingWorkload(), [], BenchOptions(quick=True, data_dir=SHARED_DATA), progress=False))
