@@ -17,6 +17,7 @@ from loopstack.engine import SamplingParams
 if TYPE_CHECKING:
     from loopstack.engine.capture import HiddenCapture
     from loopstack.engine.config import ModelConfig
+    from loopstack.inference.types import RouteHints
 
 __all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "EngineClient", "generation_inputs"]
 
@@ -42,9 +43,10 @@ class EngineClient(Protocol):
     def hidden_state_model(self) -> ModelConfig | None: ...
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-               salt: str = "", capture: HiddenCapture | None = None) -> AsyncGenerator[Any, None]:
+               salt: str = "", capture: HiddenCapture | None = None,
+               hints: RouteHints | None = None) -> AsyncGenerator[Any, None]:
         """The request's outputs as they come; closing the generator early aborts the request
-        and frees its KV blocks."""
+        and frees its KV blocks. ``hints`` matter to a router (one engine ignores them)."""
         ...
 
 

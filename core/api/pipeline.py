@@ -68,7 +68,7 @@ async def generate(job: ResponseJob, ctx: RequestContext) -> AsyncGenerator[Even
     """
     # aclosing: a consumer that stops early (a client gone, a guard's cut) closes the
     # engine stream now, which aborts the request and frees its KV blocks, not at GC time
-    async with aclosing(job.service.run(job.prepared)) as events:
+    async with aclosing(job.service.run(job.prepared, ctx)) as events:
         async for event in events:
             yield event
 

@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,26 +26,45 @@ from loopstack.catalog import PluginCatalog
 from loopstack.live import LiveStack
 
 if TYPE_CHECKING:
-    from loopstack.engine import LLMEngine
+    from loopstack.engine import EngineOptions, LLMEngine
+    from loopstack.inference.router import Router
     from loopstack.stack.schema import EngineTable
 
 
-def engine_from_table(table: EngineTable) -> LLMEngine:
-    """Build the embedded engine a stack's ``[engine]`` table describes: the one place that
-    turns the table into the engine's own arguments. (``replicas`` and ``remote`` are not
-    served yet: this is one local engine.)"""
-    from loopstack.engine import EngineOptions, build_engine
+def engine_options(table: EngineTable) -> EngineOptions:
+    """The engine's own options from a stack's ``[engine]`` table."""
+    from loopstack.engine import EngineOptions
 
-    options = EngineOptions(
+    return EngineOptions(
         block_size=table.block_size,
         num_kv_blocks=table.num_kv_blocks,
         max_num_seqs=table.max_num_seqs,
         max_num_batched_tokens=table.max_num_batched_tokens,
         max_model_len=table.max_model_len,
     )
-    return build_engine(table.model, options, device=table.device, dtype=table.dtype,
+
+
+def engine_from_table(table: EngineTable) -> LLMEngine:
+    """Build the one embedded engine a stack's ``[engine]`` table describes (``replicas = 1``)."""
+    from loopstack.engine import build_engine
+
+    return build_engine(table.model, engine_options(table), device=table.device, dtype=table.dtype,
                         quantization=table.quantization, num_threads=table.threads,
                         native_decode=table.native_decode)
+
+
+def router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router:
+    """A router over ``replicas`` embedded engine processes (``[engine] replicas > 1``); every
+    replica gets an equal share of the cores (or ``threads`` each)."""
+    from loopstack.engine.device import resolve_device
+    from loopstack.inference.fleet import start_embedded_router
+
+    device = str(resolve_device(table.device))
+    return start_embedded_router(
+        table.model, table.replicas, engine_options(table), device=device, dtype=table.dtype,
+        quantization=table.quantization, native_decode=table.native_decode, threads_per_replica=table.threads,
+        hooks_of=hooks_of,
+    )
 
 
 def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, engine: Any = None,
@@ -56,7 +76,11 @@ def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, 
 def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | None = None) -> ServerState:
     """Serve the stack ``live`` holds: start its engine (unless one is given), open the store."""
     stack = live.current.stack
-    if engine is None:
+    if engine is None and stack.engine.remote:
+        raise NotImplementedError("[engine] remote replicas are not served yet (issue 20)")
+    if engine is None and stack.engine.replicas > 1:
+        engine = router_from_table(stack.engine, lambda: live.current.hooks)
+    elif engine is None:
         from loopstack.engine import AsyncEngine
 
         engine = AsyncEngine(engine_from_table(stack.engine))

@@ -35,6 +35,7 @@ from loopstack.api.store import ResponseStore, StoredResponse, StoreError
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
 from loopstack.engine import InvalidGrammarError, PromptTooLongError
 from loopstack.engine.sequence import FinishReason
+from loopstack.inference.types import RouteHints
 
 if TYPE_CHECKING:
     from loopstack.context import RequestContext
@@ -220,9 +221,10 @@ class ResponsesService:
 
     # -- run: stream the engine, emit events, store -------------------------------------------
 
-    async def run(self, prepared: Prepared) -> AsyncGenerator[dict[str, Any], None]:
+    async def run(self, prepared: Prepared, ctx: RequestContext | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """The engine's output for ``prepared`` as Responses events, ``response.created`` to a
-        terminal event (a refused or failed generation ends in ``response.failed``)."""
+        terminal event (a refused or failed generation ends in ``response.failed``). ``ctx`` goes
+        to a router with the ``prompt_cache_key``, so the request's own plugins pick its replica."""
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
             yield event
@@ -232,7 +234,8 @@ class ResponsesService:
         try:
             stream = self.engine.stream(prepared.prompt_ids, prepared.params, request_id=prepared.response_id,
                                         salt=tenant_salt(prepared.principal),
-                                        capture=hidden.capture if hidden is not None else None)
+                                        capture=hidden.capture if hidden is not None else None,
+                                        hints=RouteHints(prepared.request.prompt_cache_key, ctx))
             async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
                 async for output in outputs:
                     last = output

@@ -20,6 +20,10 @@ from loopstack.stack.schema import ResolvedStack
 SHARED_DATA = Path(os.environ.get("LOOPSTACK_SHARED_DATA", Path(__file__).resolve().parents[2].parent / "shared" / "data"))
 
 
+class BenchOptionError(ValueError):
+    """A workload's ``-o KEY=VALUE`` option is unknown or has a bad value (the CLI prints it)."""
+
+
 @dataclass
 class BenchOptions:
     """Options of one run, from the command line."""

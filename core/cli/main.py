@@ -113,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from loopstack.bench.registry import workloads
     from loopstack.bench.report import format_table, write_plot
     from loopstack.bench.runner import run_bench
-    from loopstack.bench.workload import BenchOptions
+    from loopstack.bench.workload import BenchOptionError, BenchOptions
 
     catalog = _catalog()
     available = workloads(catalog)
@@ -132,7 +132,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             sys.exit(f"loopstack: --option takes KEY=VALUE, got {option!r}")
         extra[key.strip()] = value.strip()
     options = BenchOptions(steps=args.steps, quick=args.quick, extra=extra)
-    result = asyncio.run(run_bench(available[args.workload], stacks, options, progress=not args.no_progress))
+    try:
+        result = asyncio.run(run_bench(available[args.workload], stacks, options, progress=not args.no_progress))
+    except BenchOptionError as exc:
+        sys.exit(f"loopstack bench: {exc}")
     print(format_table(result))
     if args.json:
         result.write_json(Path(args.json))
@@ -158,10 +161,11 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from loopstack.api.auth import UnsafeBindError
     from loopstack.api.server import serve
+    from loopstack.engine.errors import EngineError
 
     try:
         return serve(args.stack, host=args.host, port=args.port)
-    except (StackError, UnsafeBindError) as exc:
+    except (StackError, UnsafeBindError, EngineError, NotImplementedError) as exc:
         sys.exit(f"loopstack: {exc}")
 
 

@@ -103,12 +103,14 @@ class AsyncEngine:
         request_id: str | None = None,
         salt: str = "",
         capture: HiddenCapture | None = None,
+        hints: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one :class:`RequestOutput` per step that touched the request; the last has
         ``finished=True``. Raises at once on invalid input (PromptTooLongError, ...).
 
         With ``capture``, one output carries ``hidden_state`` (see :class:`HiddenCapture`); when
-        the capture ends before the prompt's last token, that output has no tokens.
+        the capture ends before the prompt's last token, that output has no tokens. ``hints``
+        (routing hints) are for a router in front of replicas; one engine ignores them.
         """
         if self._stopped:
             raise RuntimeError("the engine is shut down")

@@ -12,11 +12,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 from loopstack.engine.seams.kv_events import KVCacheEvent, hash_token_blocks
 
-__all__ = ["KVEventListener", "ReplicaListener", "ReplicaView", "RouteDecision", "RouteRequest", "RouterHandle", "RoutingPolicy"]
+if TYPE_CHECKING:
+    from loopstack.context import RequestContext
+
+__all__ = ["KVEventListener", "RouteHints", "ReplicaListener", "ReplicaView", "RouteDecision", "RouteRequest", "RouterHandle", "RoutingPolicy"]
+
+
+class RouteHints(NamedTuple):
+    """What the API layer tells the router beside the prompt: the client's ``prompt_cache_key`` and
+    the request's context (whose hooks are the request's A/B arms)."""
+
+    cache_key: str | None = None
+    ctx: RequestContext | None = None
 
 
 @dataclass(eq=False)

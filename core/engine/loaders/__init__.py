@@ -12,13 +12,13 @@ import torch
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.device import resolve_device, resolve_dtype
 from loopstack.engine.errors import ModelNotFoundError
-from loopstack.engine.loaders.gguf_loader import load_gguf
-from loopstack.engine.loaders.safetensors_loader import load_hf_directory
+from loopstack.engine.loaders.gguf_loader import gguf_config, load_gguf, read_gguf
+from loopstack.engine.loaders.safetensors_loader import hf_directory_tokenizer, load_hf_directory
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model.quant import QuantMode, quantize_model
 from loopstack.engine.text.tokenizer import Tokenizer
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadedModel", "load_model", "resolve_model_path"]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadedModel", "load_model", "load_tokenizer", "resolve_model_path"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # name -> (Python package that ships the file, file name inside the package)
@@ -76,6 +76,19 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
     else:
         problem = "does not exist"
     raise ModelNotFoundError(f"model {text!r} not found: {path.resolve()} {problem}; expected {_ACCEPTED}")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL) -> tuple[Tokenizer, ModelConfig]:
+    """A model's tokenizer (with its chat template) and config, without loading its weights.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        metadata, tensors = read_gguf(path)
+        return Tokenizer.from_gguf_metadata(metadata), gguf_config(metadata, set(tensors))
+    return hf_directory_tokenizer(path)
 
 
 def load_model(

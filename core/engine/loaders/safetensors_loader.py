@@ -51,16 +51,9 @@ def load_hf_directory(
         UnsupportedArchitectureError: see :meth:`ModelConfig.from_hf_config`.
     """
     directory = Path(directory)
-    config = ModelConfig.from_hf_config(_read_json(directory / "config.json"))
+    ModelConfig.from_hf_config(_read_json(directory / "config.json"))  # an unsupported model fails first
     files = safetensors_files(directory)
-    if not (directory / "tokenizer.json").is_file():
-        raise ModelNotFoundError(f"{directory}: tokenizer.json not found (needed to build the tokenizer)")
-    generation_file = directory / "generation_config.json"
-    generation = _read_json(generation_file) if generation_file.is_file() else {}
-    extra_eos = generation.get("eos_token_id") or []
-    extra_eos = [extra_eos] if isinstance(extra_eos, int) else list(extra_eos)
-    tokenizer = Tokenizer.from_hf_directory(directory, eos_token_ids=[*config.eos_token_ids, *extra_eos])
-    config = dataclasses.replace(config, eos_token_ids=tokenizer.eos_token_ids)
+    tokenizer, config = hf_directory_tokenizer(directory)
     model = CausalLM.empty(config, device, dtype)
     model.load_hf_weights(_read_tensors(files, device, dtype))
     return model, tokenizer, config
@@ -80,6 +73,23 @@ def save_hf_directory(
         (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     if tokenizer_config is not None:
         (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+
+
+def hf_directory_tokenizer(directory: Path) -> tuple[Tokenizer, ModelConfig]:
+    """The directory's tokenizer and config, without its weights (a router serving remote replicas).
+
+    End-of-sequence ids are gathered from ``config.json``, ``generation_config.json`` and the
+    tokenizer's ``eos_token``.
+    """
+    config = ModelConfig.from_hf_config(_read_json(directory / "config.json"))
+    if not (directory / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"{directory}: tokenizer.json not found (needed to build the tokenizer)")
+    generation_file = directory / "generation_config.json"
+    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    extra_eos = generation.get("eos_token_id") or []
+    extra_eos = [extra_eos] if isinstance(extra_eos, int) else list(extra_eos)
+    tokenizer = Tokenizer.from_hf_directory(directory, eos_token_ids=[*config.eos_token_ids, *extra_eos])
+    return tokenizer, dataclasses.replace(config, eos_token_ids=tokenizer.eos_token_ids)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from loopstack.engine.async_engine import GenerationResult
 from loopstack.engine.block_manager import BlockManagerStatistics
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
+from loopstack.engine.errors import EngineError
 from loopstack.engine.llm_engine import EngineOptions, RequestOutput
 from loopstack.engine.loaders import resolve_model_path
 from loopstack.engine.sampling_params import SamplingParams
@@ -207,6 +208,8 @@ class ReplicaPool:
             ``"spawn"``: every replica starts a fresh interpreter (seconds of imports each). Never
             ``"fork"``: the parent has threads. The fork server is shared by the whole process and
             outlives the pool; the pool sets its preload list, which counts only if it starts it.
+        quantization, native_decode: as for :func:`~loopstack.engine.factory.build_engine` (the
+            defaults load the plain float model, as :func:`~loopstack.engine.loaders.load_model` does).
 
     Raises:
         ValueError: bad counts or a device list of the wrong length.
@@ -222,6 +225,8 @@ class ReplicaPool:
         dtype: str = "float32",
         threads_per_replica: int | None = None,
         start_method: str = "forkserver",
+        quantization: str = "none",
+        native_decode: bool = False,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -237,6 +242,8 @@ class ReplicaPool:
         self.options = options or EngineOptions()
         self.dtype = dtype
         self.start_method = start_method
+        self.quantization = quantization
+        self.native_decode = native_decode
         self.threads_per_replica = threads_per_replica or max(1, _num_cpus() // num_replicas)
         self.num_kv_callback_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -268,7 +275,7 @@ class ReplicaPool:
             for index, device in enumerate(self.devices):
                 replica = ReplicaProcess(index, self._loop, model=self.model, on_kv_event=self._deliver_kv_event)
                 self._replicas.append(replica)
-                replica.launch(context, (self.model, self.options, device, self.dtype, self.threads_per_replica))
+                replica.launch(context, self._launch_args(device))
             await asyncio.wait_for(asyncio.gather(*(r.ready for r in self._replicas)), timeout)
         except BaseException as exc:
             await self.close()
@@ -276,6 +283,42 @@ class ReplicaPool:
                 late = [r.index for r in self._replicas if r.ready_info is None]
                 raise ReplicaStartError(f"replicas {late} were not ready within {timeout} s") from None
             raise
+
+    async def restart(self, index: int, *, timeout: float | None = 300.0) -> None:
+        """Replace replica ``index`` by a fresh process (after it died or hung) and wait until it is
+        ready. Its old process is stopped first (killed if it does not exit); its streams end with
+        :class:`ReplicaDiedError`. The new process's KV events count from 1 again and its cache is
+        empty.
+
+        Raises:
+            ReplicaStartError: the new process failed to load or was not ready within ``timeout``.
+        """
+        self._check_running()
+        assert self._loop is not None  # set by start()
+        old = self._replicas[index]
+        await old.stop(5.0)
+        context = multiprocessing.get_context(self.start_method)
+        replica = ReplicaProcess(index, self._loop, model=self.model, on_kv_event=self._deliver_kv_event)
+        self._replicas[index] = replica
+        replica.launch(context, self._launch_args(self.devices[index]))
+        try:
+            await asyncio.wait_for(replica.ready, timeout)
+        except TimeoutError:
+            await replica.stop(5.0)
+            raise ReplicaStartError(f"replica {index} was not ready within {timeout} s after a restart") from None
+
+    async def ping(self, index: int, *, timeout: float = 5.0) -> bool:
+        """Whether replica ``index`` is alive and answers a statistics request within ``timeout``."""
+        replica = self._replicas[index]
+        if not (replica.is_alive and replica.is_accepting):
+            return False
+        token = next(self._ids)
+        try:
+            await asyncio.wait_for(replica.request_statistics(token), timeout)
+        except (TimeoutError, EngineError):
+            replica.stats_waiters.pop(token, None)
+            return False
+        return True
 
     async def close(self, *, timeout: float = 30.0) -> None:
         """Stop every replica: running requests end with finish_reason ``abort``; a replica that does
@@ -388,6 +431,10 @@ class ReplicaPool:
         return unsubscribe
 
     # -- internals ------------------------------------------------------------------------------------
+
+    def _launch_args(self, device: str) -> tuple[object, ...]:
+        return (self.model, self.options, device, self.dtype, self.threads_per_replica, self.quantization,
+                self.native_decode)
 
     def _least_busy_index(self) -> int:
         # a placeholder until the router chooses: a stream counts once it is first iterated, so

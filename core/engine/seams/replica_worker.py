@@ -143,14 +143,21 @@ def _describe_exit(exitcode: int | None) -> str:
 
 
 def replica_main(
-    conn: Connection, model: str, options: EngineOptions, device: str, dtype: str, num_threads: int
+    conn: Connection, model: str, options: EngineOptions, device: str, dtype: str, num_threads: int,
+    quantization: str = "none", native_decode: bool = False,
 ) -> None:
     """Entry point of a replica process (the target given to ``multiprocessing``)."""
     torch.set_num_threads(num_threads)
     try:
-        loaded = load_model(model, device, dtype)
         bus = KVEventBus(buffer_size=0)  # forwarded by callback; nothing polls the buffer
-        engine = LLMEngine(loaded.model, loaded.tokenizer, options, event_bus=bus)
+        if quantization == "none" and not native_decode:
+            loaded = load_model(model, device, dtype)
+            engine = LLMEngine(loaded.model, loaded.tokenizer, options, event_bus=bus)
+        else:
+            from loopstack.engine.factory import build_engine
+
+            engine = build_engine(model, options, device=device, dtype=dtype, quantization=quantization,
+                                  native_decode=native_decode, event_bus=bus)
     except Exception as exc:
         traceback.print_exc()
         conn.send(("failed", error_type_paths(exc)[0], str(exc)))

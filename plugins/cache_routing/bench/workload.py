@@ -16,7 +16,9 @@ sending a conversation id would.
 
 Options: ``-o requests=N`` replays the first N requests (default: all 12,031; ``--quick``: 2,000 at
 two configurations); ``-o configs=4x2000,8x2000``; ``-o prefill_tokens_per_s=16000``,
-``-o decode_s_per_token=0.025`` (the modelled replica speed).
+``-o decode_s_per_token=0.025`` (the modelled replica speed); any other ``-o KEY=VALUE`` naming a
+``[plugins.cache_routing]`` option (``queue_weight``, ``running_weight``, ...) changes the
+``cache_aware`` column, to try other weights on the same replay.
 
 Not built yet (issue 20): the live replay on embedded replicas, the llama.cpp and vLLM replicas, and
 vllm-router beside them.
@@ -28,7 +30,9 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from loopstack.bench.workload import BenchOptions, Workload
+from pydantic import ValidationError
+
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
 from loopstack.inference.round_robin import RoundRobin
 from loopstack.inference.types import RoutingPolicy
 from loopstack.plugins.cache_routing.bench.replay import ReplayResult, ServiceModel, infinite_cache_hit_rate, replay
@@ -65,6 +69,7 @@ class RoutingWorkload(Workload):
         self._configs: tuple[tuple[int, int], ...] = CONFIGS
         self._service = ServiceModel()
         self._config: dict[str, Any] = {}
+        self._overrides: dict[str, Any] = {}
 
     def columns(self, stacks: list[ResolvedStack]) -> list[str]:
         return list(COLUMNS)
@@ -81,6 +86,16 @@ class RoutingWorkload(Workload):
             prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", ServiceModel.prefill_tokens_per_s)),
             decode_s_per_token=float(extra.get("decode_s_per_token", ServiceModel.decode_s_per_token)),
         )
+        fields = set(CacheRoutingConfig.model_fields) - {"policy"}
+        self._overrides = {key: value for key, value in extra.items() if key in fields}
+        unknown = set(extra) - fields - {"requests", "configs", "prefill_tokens_per_s", "decode_s_per_token"}
+        if unknown:
+            raise BenchOptionError(f"--workload routing: unknown option(s) {sorted(unknown)}; options: requests, configs,"
+                             f" prefill_tokens_per_s, decode_s_per_token, {', '.join(sorted(fields))}")
+        try:
+            CacheRoutingConfig(**{**COLUMNS["cache_aware"], **self._overrides})
+        except ValidationError as exc:
+            raise BenchOptionError(f"--workload routing: {exc}") from None
         infinite = infinite_cache_hit_rate(self._requests)
         instant = replace(self._service, prefill_tokens_per_s=1e12, decode_s_per_token=0.0)
         bounds = {}
@@ -97,7 +112,7 @@ class RoutingWorkload(Workload):
             "lru_bound_hit_rate": bounds,
             "prefill_tokens_per_s": self._service.prefill_tokens_per_s,
             "decode_s_per_token": self._service.decode_s_per_token,
-            "policies": COLUMNS,
+            "policies": {**COLUMNS, "cache_aware": {**COLUMNS["cache_aware"], **self._overrides}},
         }
 
     async def step(self, column: str, index: int) -> dict[str, float]:
@@ -116,7 +131,8 @@ class RoutingWorkload(Workload):
         return self._config
 
     def _run(self, column: str, num_replicas: int, capacity: int) -> ReplayResult:
-        config = CacheRoutingConfig(**COLUMNS[column])
+        settings = {**COLUMNS[column], **(self._overrides if column == "cache_aware" else {})}
+        config = CacheRoutingConfig(**settings)
         policy: RoutingPolicy
         index: BlockIndex | None
         policy, index = build_policy(config, num_replicas=num_replicas)
@@ -129,4 +145,4 @@ def _parse_config(text: str) -> tuple[int, int]:
         replicas, blocks = text.lower().split("x")
         return int(replicas), int(blocks)
     except ValueError:
-        raise ValueError(f"-o configs: expected REPLICASxBLOCKS like 8x2000, got {text!r}") from None
+        raise BenchOptionError(f"-o configs: expected REPLICASxBLOCKS like 8x2000, got {text!r}") from None

@@ -90,7 +90,7 @@ class ScriptedService:
     async def remember(self, prepared: Prepared, response: dict[str, Any], local: Any = None) -> None:
         self.stored = response  # what run_response stores once every middleware passed it
 
-    async def run(self, prepared: Prepared):
+    async def run(self, prepared: Prepared, ctx=None):
         self.started_at = time.perf_counter()
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
