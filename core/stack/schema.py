@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loopstack.plugin import PluginConfig
 
@@ -20,6 +20,21 @@ class StackMeta(_Table):
     name: str = Field(description="stack name (defaults to the file name without .toml)")
     description: str = ""
     extends: str | None = Field(None, description="another stack: a name in the stack search path or a path")
+
+
+class RemoteReplicaTable(_Table):
+    """One remote replica in ``[engine] remote``: an OpenAI-compatible server (vLLM, SGLang,
+    llama.cpp) serving the same model as ``[engine] model`` (whose tokenizer the router uses)."""
+
+    url: str = Field(pattern=r"^https?://", description="base URL, e.g. http://127.0.0.1:8000")
+    kv_events: str | None = Field(
+        None, description="ZeroMQ endpoint the router binds for this replica's KV events (vLLM --kv-events-config endpoint)"
+    )
+    kv_replay: str | None = Field(None, description="the replica's KV event replay endpoint (vLLM replay_endpoint)")
+    model: str | None = Field(None, description="the model name the server expects (default: its first /v1/models entry)")
+    prompt: Literal["tokens", "text"] = Field(
+        "tokens", description="send prompts as token ids (exact) or as text (for servers that only take text)"
+    )
 
 
 class EngineTable(_Table):
@@ -42,7 +57,22 @@ class EngineTable(_Table):
     native_decode: bool = Field(
         True, description="run decode steps' layer loop in C++ where it applies (CPU, int4); built on first use"
     )
-    remote: list[str] = Field(default_factory=list, description="OpenAI-compatible base URLs served as replicas")
+    remote: list[RemoteReplicaTable] = Field(
+        default_factory=list, description="OpenAI-compatible servers served as replicas (tables, or plain base URLs)"
+    )
+
+    @model_validator(mode="after")
+    def _replicas_or_remote(self) -> EngineTable:
+        if self.remote and self.replicas > 1:
+            raise ValueError("set either replicas (embedded engine processes) or remote (servers), not both")
+        return self
+
+    @field_validator("remote", mode="before")
+    @classmethod
+    def _urls_as_tables(cls, value: object) -> object:
+        if isinstance(value, list):
+            return [{"url": item} if isinstance(item, str) else item for item in value]
+        return value
 
 
 class ApiConfig(_Table):

@@ -2,7 +2,8 @@
 
 The plugin class is in :mod:`.plugin`, its policies in :mod:`.policies` and :mod:`.cache_aware`, the
 indexes in :mod:`.block_index` (precise, from KV events) and :mod:`.routing_history` (approximate),
-vLLM's event feed in :mod:`.vllm_events`, the ``routing`` bench in :mod:`.bench`.
+the ``routing`` bench in :mod:`.bench`. vLLM's KV event feed, which the router hands the plugin in its
+own hash chain, is in :mod:`loopstack.inference.vllm_feed`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PLUGIN = CacheRouting
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Workload]:
+    from loopstack.plugins.cache_routing.bench.live_workload import LiveRoutingWorkload, RemoteRoutingWorkload
     from loopstack.plugins.cache_routing.bench.workload import RoutingWorkload
 
-    return [RoutingWorkload()]
+    return [RoutingWorkload(), LiveRoutingWorkload(), RemoteRoutingWorkload()]

@@ -44,7 +44,7 @@ class BlockIndex:
 
     Hashes must be the router's own chain (:func:`~loopstack.engine.seams.kv_events.hash_token_blocks`):
     the embedded engine publishes those; a vLLM feed translates its hashes first
-    (:mod:`loopstack.plugins.cache_routing.vllm_events`).
+    (:mod:`loopstack.inference.vllm_events`).
     """
 
     def __init__(self, num_replicas: int, *, media: Iterable[str | None] = PRIMARY_MEDIA) -> None:
