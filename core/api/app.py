@@ -45,7 +45,7 @@ async def metrics_json(request: Request) -> Response:
 @handles_errors
 async def admin_reload(request: Request) -> Response:
     principal_of(request)
-    result = state_of(request).live.reload()
+    result = state_of(request).reload()
     body = {"ok": result.ok, "stack": result.stack_name, "error": result.error,
             "issues": [str(issue) for issue in result.issues]}
     return JSONResponse(body, status_code=200 if result.ok else 400)

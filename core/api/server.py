@@ -153,7 +153,7 @@ def serve(stack_ref: str | Path, *, host: str | None = None, port: int | None = 
     server = uvicorn.Server(config)
 
     def reload_on_hup() -> None:
-        result = state.live.reload()
+        result = state.reload()
         print(f"loopstack: reload {'ok' if result.ok else 'rejected'}: {result.error or result.stack_name}", flush=True)
 
     async def main() -> None:

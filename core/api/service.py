@@ -35,6 +35,7 @@ from loopstack.api.store import ResponseStore, StoredResponse, StoreError
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
 from loopstack.engine import InvalidGrammarError, PromptTooLongError
 from loopstack.engine.sequence import FinishReason
+from loopstack.inference.backends import ReplicaUnavailableError
 from loopstack.inference.types import RouteHints
 
 if TYPE_CHECKING:
@@ -246,6 +247,11 @@ class ResponsesService:
                             yield event
         except (PromptTooLongError, InvalidGrammarError, ValueError) as exc:
             events, _ = builder.fail(str(exc), code="invalid_request")
+            for event in events:
+                yield event
+            return
+        except ReplicaUnavailableError as exc:  # a router found no replica to serve it
+            events, _ = builder.fail(str(exc), code="server_error")
             for event in events:
                 yield event
             return

@@ -9,7 +9,7 @@ from loopstack.api.auth import KeyRing
 from loopstack.api.generation import EngineClient
 from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
-from loopstack.live import LiveStack
+from loopstack.live import LiveStack, ReloadResult
 
 
 @dataclass
@@ -25,3 +25,13 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.service = ResponsesService(self.engine, self.store, model_name=self.model_name)
+
+    def reload(self) -> ReloadResult:
+        """Reload the stack file; a router in front of replicas is announced to the new stack's
+        plugins (``loopstack_router_started``), so its routing plugin gets KV events and health."""
+        from loopstack.inference.router import Router
+
+        result = self.live.reload()
+        if result.ok and isinstance(self.engine, Router):
+            self.engine.announce(self.live.current.hooks)
+        return result

@@ -16,11 +16,16 @@ from loopstack.engine.llm_engine import RequestOutput
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.replica_pool import ReplicaPool
 
-__all__ = ["Backend", "EmbeddedBackend", "ReplicaUnavailableError"]
+__all__ = ["Backend", "EmbeddedBackend", "ReplicaBusyError", "ReplicaUnavailableError"]
 
 
 class ReplicaUnavailableError(EngineError):
     """A replica could not take or finish a request (it died, hung, or refused the connection)."""
+
+
+class ReplicaBusyError(ReplicaUnavailableError):
+    """A healthy replica turned the request away for now (HTTP 429, a full connection pool): retry
+    it elsewhere, but keep the replica in rotation."""
 
 
 class Backend(Protocol):

@@ -57,7 +57,11 @@ def start_embedded_router(
         on_close=pool.close,
     )
     pool.subscribe_kv_events(router.deliver_kv_event)  # delivered on the router loop
-    loop.run(router.started())
+    try:
+        loop.run(router.started())
+    except BaseException:  # a plugin's loopstack_router_started failed: leave nothing running
+        router.shutdown()
+        raise
     for info in ready:
         logger.info("replica embedded-%d: pid %s, %s KV blocks, context %s", info.index, info.pid,
                     info.num_kv_blocks, info.max_model_len)
@@ -103,14 +107,18 @@ def start_remote_router(
         block_size=block_size, loop=loop, hooks_of=hooks_of, options=router_options or RouterOptions(),
         on_close=close,
     )
-    for index, spec in enumerate(remotes):
-        if spec.kv_events is not None:
-            feeds.append(_start_feed(router, loop, index, spec))
-    answering = loop.run(_ping_all(backends))
-    for index, ok in enumerate(answering):
-        if not ok:
-            loop.call_soon(router.take_out, index, "it did not answer at start")
-    loop.run(router.started())
+    try:
+        for index, spec in enumerate(remotes):
+            if spec.kv_events is not None:
+                feeds.append(_start_feed(router, loop, index, spec))
+        answering = loop.run(_ping_all(backends))
+        for index, ok in enumerate(answering):
+            if not ok:
+                loop.call_soon(router.take_out, index, "it did not answer at start")
+        loop.run(router.started())
+    except BaseException:  # a feed that cannot bind, a plugin that fails: leave nothing running
+        router.shutdown()
+        raise
     for spec, backend, ok in zip(remotes, backends, answering, strict=True):
         logger.info("replica %s: %s%s%s", backend.name, spec.url, "" if ok else " (not answering yet)",
                     f", KV events on {spec.kv_events}" if spec.kv_events else ", no KV events (approximate)")

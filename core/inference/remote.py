@@ -32,7 +32,7 @@ from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.llm_engine import RequestOutput, Usage
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.sequence import FinishReason
-from loopstack.inference.backends import ReplicaUnavailableError
+from loopstack.inference.backends import ReplicaBusyError, ReplicaUnavailableError
 
 __all__ = ["RemoteBackend"]
 
@@ -63,8 +63,11 @@ class RemoteBackend:
         self.model = model
         self.prompt = prompt
         self.publishes_kv_events = publishes_kv_events
-        self._timeout = httpx.Timeout(timeout_s, read=None)
+        # read=None: a stalled stream is the router's stall_timeout_s; pool=None: concurrent streams
+        # are not capped here (the server queues them), so a busy server is not mistaken for a dead one
+        self._timeout = httpx.Timeout(timeout_s, read=None, pool=None)
         self._client = client
+        self._ping_client: httpx.AsyncClient | None = None  # its own pool: pings never queue behind streams
         self._is_broken = False
 
     @property
@@ -77,9 +80,11 @@ class RemoteBackend:
     async def ping(self) -> bool:
         """``GET /health``, or ``GET /v1/models`` on a server without one (llama-cpp-python's)."""
         try:
-            response = await self._http().get(f"{self.url}/health", timeout=5.0)
+            if self._ping_client is None:
+                self._ping_client = httpx.AsyncClient(timeout=5.0)
+            response = await self._ping_client.get(f"{self.url}/health")
             if response.status_code == 404:
-                response = await self._http().get(f"{self.url}/v1/models", timeout=5.0)
+                response = await self._ping_client.get(f"{self.url}/v1/models")
         except httpx.HTTPError:
             self._is_broken = True
             return False
@@ -90,9 +95,10 @@ class RemoteBackend:
         return False  # someone else runs the server
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for client in (self._client, self._ping_client):
+            if client is not None:
+                await client.aclose()
+        self._client = self._ping_client = None
 
     async def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
@@ -167,11 +173,13 @@ class RemoteBackend:
         if response.status_code >= 500:
             self._is_broken = True
             raise ReplicaUnavailableError(f"{self.name}: HTTP {response.status_code}: {text}")
+        if response.status_code in (408, 429):
+            raise ReplicaBusyError(f"{self.name}: HTTP {response.status_code}: {text}")
         raise ValueError(f"{self.name} refused the request (HTTP {response.status_code}): {text}")
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(max_connections=None))
         return self._client
 
 
@@ -189,7 +197,11 @@ async def _sse_json(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
             continue
         if isinstance(chunk, dict):
             if "error" in chunk:
-                raise ReplicaUnavailableError(f"the server reported an error mid-stream: {chunk['error']}")
+                error = chunk["error"]
+                code = error.get("code") if isinstance(error, dict) else None
+                if isinstance(code, int) and code < 500:  # the request's fault: no other replica does better
+                    raise ValueError(f"the server refused the request mid-stream: {error}")
+                raise ReplicaUnavailableError(f"the server reported an error mid-stream: {error}")
             yield chunk
 
 

@@ -36,7 +36,7 @@ from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.kv_events import KVCacheEvent
 from loopstack.engine.seams.replica_worker import ReplicaDiedError
 from loopstack.engine.sequence import FinishReason
-from loopstack.inference.backends import Backend, ReplicaUnavailableError
+from loopstack.inference.backends import Backend, ReplicaBusyError, ReplicaUnavailableError
 from loopstack.inference.load import LoadTracker
 from loopstack.inference.loop_thread import LoopThread
 from loopstack.inference.round_robin import RoundRobin
@@ -66,7 +66,8 @@ class RouterOptions:
 
     retry: bool = True  # retry on another replica when nothing was streamed yet
     max_attempts: int = 2
-    stall_timeout_s: float | None = 120.0  # no output for this long: the replica is taken out
+    first_output_timeout_s: float | None = 600.0  # queueing and prefill included: generous
+    stall_timeout_s: float | None = 120.0  # no output for this long after the first: taken out
     health_interval_s: float = 2.0
     restart_dead: bool = True  # restart an embedded replica whose process ended
     pings_before_restart: int = 3  # a live replica failing this many pings in a row is restarted
@@ -157,6 +158,12 @@ class Router:
         request_id = request_id or f"route-{uuid.uuid4().hex[:12]}"
         future = self._loop.submit(self._serve(
             list(prompt_token_ids), params or SamplingParams(), request_id, salt, capture, hints or RouteHints(), put))
+
+        def wake_if_cancelled(done: Any) -> None:  # the router shut down under this request
+            if done.cancelled():
+                put(ReplicaUnavailableError("the router shut down before the request finished"))
+
+        future.add_done_callback(wake_if_cancelled)
         try:
             while True:
                 item = await queue.get()
@@ -174,8 +181,16 @@ class Router:
         if self._closed:
             return
         self._closed = True
-        if self._watcher is not None:
-            self._loop.call_soon(self._watcher.cancel)
+
+        async def cancel_everything() -> None:
+            current = asyncio.current_task()
+            tasks = [task for task in asyncio.all_tasks() if task is not current]
+            for task in tasks:  # the watcher, restarts under way, and requests still streaming
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self._loop.run(cancel_everything(), timeout=30)
         if self._on_close is not None:
             with contextlib.suppress(Exception):
                 self._loop.run(self._on_close(), timeout=60)
@@ -285,7 +300,8 @@ class Router:
                 await self._stream_from(index, ids, params, request_id, salt, capture, key, hints, delivered, put)
                 return
             except (ReplicaDiedError, ReplicaUnavailableError) as exc:
-                self._take_out(index, str(exc))
+                if not isinstance(exc, ReplicaBusyError):
+                    self._take_out(index, str(exc))
                 if not delivered and self.options.retry and attempt < self.options.max_attempts:
                     excluded.add(index)
                     self._counts["retries"] += 1
@@ -307,13 +323,13 @@ class Router:
         stream = backend.stream(ids, params, request_id=request_id, salt=salt, capture=capture)
         try:
             while True:
+                timeout = self.options.stall_timeout_s if delivered else self.options.first_output_timeout_s
                 try:
-                    output = await asyncio.wait_for(anext(stream), self.options.stall_timeout_s)
+                    output = await asyncio.wait_for(anext(stream), timeout)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    raise ReplicaUnavailableError(
-                        f"no output for {self.options.stall_timeout_s} s") from None
+                    raise ReplicaUnavailableError(f"no output for {timeout} s") from None
                 if not delivered:
                     self._tracker.first_output(key)
                 delivered.append(output)
@@ -394,14 +410,20 @@ class Router:
                 logger.exception("health listener %r failed", listener)
 
     async def _watch(self) -> None:
+        tasks: set[asyncio.Task[None]] = set()  # kept: the loop holds tasks only weakly
         while True:
             await asyncio.sleep(self.options.health_interval_s)
-            for index, backend in enumerate(self.backends):
-                if self._healthy[index] and not backend.is_up():
-                    self._take_out(index, "its process ended")
-                if not self._healthy[index] and index not in self._recovering:
-                    self._recovering.add(index)
-                    asyncio.get_running_loop().create_task(self._recover(index))
+            try:
+                for index, backend in enumerate(self.backends):
+                    if self._healthy[index] and not backend.is_up():
+                        self._take_out(index, "it stopped answering")
+                    if not self._healthy[index] and index not in self._recovering:
+                        self._recovering.add(index)
+                        task = asyncio.get_running_loop().create_task(self._recover(index))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+            except Exception:  # the watcher must outlive any one replica's trouble
+                logger.exception("the router's health watcher failed a round")
 
     async def _recover(self, index: int) -> None:
         backend = self.backends[index]

@@ -4,11 +4,13 @@ Two ways to weigh, both configurable (``balance``):
 
 - ``cost`` (default; Dynamo-style): each healthy replica's cost, in prefill-token equivalents, is
   ``prefill_weight * uncached tokens of this request there + queue_weight * prefill already queued
-  there + running_weight * requests it is running + decode_weight * tokens they hold``; the cheapest
-  wins. Cached prefix lowers the first term; a busy replica pays in the others. Queued work weighs
-  less than the request's own uncached tokens because a prefix placed well keeps paying on the
-  conversation's next turns; each running request costs about one block's prefill (a longer decode
-  batch) so a shared system prompt does not pull every request onto its first holder.
+  there + running_weight * this request's prompt tokens * requests it is running + decode_weight *
+  tokens they hold``; the cheapest wins. Cached prefix lowers the first term; a busy replica pays in
+  the others. Queued work weighs less than the request's own uncached tokens because a prefix placed
+  well keeps paying on the conversation's next turns; each running request costs a share of this
+  request's prefill (a longer decode batch), so a shared system prompt does not pull every request
+  onto its first holder. Every term scales with prompt length, so the weights hold for short and
+  long prompts alike.
 - ``threshold`` (SGLang-style): if the load gap is large (``max - min > balance_abs_threshold`` and
   ``max > balance_rel_threshold * min`` requests in flight) the least loaded replica wins; otherwise
   the longest match wins when it covers more than ``cache_threshold`` of the prompt, else the least
@@ -16,8 +18,10 @@ Two ways to weigh, both configurable (``balance``):
 
 What a replica holds comes from a :class:`~.block_index.BlockIndex` fed by its KV events (precise) or,
 for replicas without events, from a :class:`~.routing_history.RoutingHistory` of where prompts were
-sent (approximate). ``prompt_cache_key`` is a hint: when nothing is known to be cached anywhere, a
-request goes where its key went last, unless that replica is overloaded.
+sent (approximate). A prompt sent to a precise replica counts as cached there until its events
+arrive (at most ``pending_ttl_s``). ``prompt_cache_key`` is a hint: when no replica holds more of
+the prompt than the others, a request goes where its key went last, unless that replica is
+overloaded.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class Balance:
     prefill_weight: float = 1.0
     queue_weight: float = 0.1
     decode_weight: float = 0.0
-    running_weight: float = 512.0
+    running_weight: float = 0.04
     balance_abs_threshold: int = 8
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.5
@@ -70,11 +74,17 @@ class CacheAware:
         precise_replicas: Collection[int] = (),
         history: RoutingHistory | None = None,
         balance: Balance = Balance(),
+        pending_ttl_s: float = 30.0,
     ) -> None:
         self.index = index
         self.precise_replicas = frozenset(precise_replicas) if index is not None else frozenset()
         self.history = history
         self.balance = balance
+        # precise replicas report blocks once their prefill is done; until then (or for
+        # pending_ttl_s) a prompt just sent there counts as cached there, so a conversation's next
+        # turn that arrives while the previous one is still queued follows it
+        self.pending = (RoutingHistory(ttl_s=pending_ttl_s, max_entries=100_000)
+                        if self.precise_replicas and pending_ttl_s > 0 else None)
         self._key_replica: OrderedDict[str, int] = OrderedDict()
         self._turn = itertools.count()
 
@@ -84,6 +94,10 @@ class CacheAware:
         matched: dict[int, int] = {}
         if self.index is not None and self.precise_replicas:
             matched.update((r, n) for r, n in self.index.match(hashes).items() if r in self.precise_replicas)
+            if self.pending is not None:
+                for r, n in self.pending.match(hashes, request.arrival_s).items():
+                    if r in self.precise_replicas and n > matched.get(r, 0):
+                        matched[r] = n
         if self.history is not None:
             matched.update(
                 (r, n) for r, n in self.history.match(hashes, request.arrival_s).items()
@@ -94,10 +108,11 @@ class CacheAware:
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
         healthy = healthy_views(replicas)
         matched = self.matches(request)
-        if not any(matched.get(view.index) for view in healthy):
+        held = [matched.get(view.index, 0) for view in healthy]
+        if max(held) == min(held):  # no replica holds more than the others (say, a shared system prompt)
             hinted = self._hinted(request, healthy)
             if hinted is not None:
-                return RouteDecision(hinted, "affinity", 0)
+                return RouteDecision(hinted, "affinity", matched.get(hinted, 0))
         if self.balance.kind == "threshold":
             return self._by_threshold(request, healthy, matched)
         return self._by_cost(request, healthy, matched)
@@ -105,6 +120,8 @@ class CacheAware:
     def on_routed(self, request: RouteRequest, decision: RouteDecision) -> None:
         if self.history is not None and decision.index not in self.precise_replicas:
             self.history.record(request.block_hashes, decision.index, request.arrival_s)
+        if self.pending is not None and decision.index in self.precise_replicas:
+            self.pending.record(request.block_hashes, decision.index, request.arrival_s)
         if request.cache_key is not None:
             self._key_replica[request.cache_key] = decision.index
             self._key_replica.move_to_end(request.cache_key)
@@ -118,6 +135,8 @@ class CacheAware:
             self.index.reset_replica(replica)
         if self.history is not None:
             self.history.remove_replica(replica)
+        if self.pending is not None:
+            self.pending.remove_replica(replica)
 
     # -- the two weighings -------------------------------------------------------------------------
 
@@ -130,7 +149,7 @@ class CacheAware:
                 balance.prefill_weight * uncached
                 + balance.queue_weight * view.num_pending_prefill_tokens
                 + balance.decode_weight * view.num_active_tokens
-                + balance.running_weight * view.num_in_flight
+                + balance.running_weight * request.num_tokens * view.num_in_flight
             )
         best = min(scores.values())
         tied = [view for view in healthy if scores[view.index] == best]

@@ -30,10 +30,15 @@ class CacheRoutingConfig(PluginConfig):
     prefill_weight: float = Field(1.0, ge=0, description="cost of one uncached prompt token of this request")
     queue_weight: float = Field(0.1, ge=0, description="cost of one token of prefill already queued on the replica")
     decode_weight: float = Field(0.0, ge=0, description="cost of one token held by the replica's running requests")
-    running_weight: float = Field(512.0, ge=0, description="cost (in prompt tokens) of each request the replica is running")
+    running_weight: float = Field(
+        0.04, ge=0, description="cost of each request the replica is running, as a share of this request's prompt tokens"
+    )
     balance_abs_threshold: int = Field(8, ge=0, description="threshold: in-flight gap above which load wins")
     balance_rel_threshold: float = Field(1.5, ge=1, description="threshold: and max above this many times min")
     cache_threshold: float = Field(0.0, ge=0, le=1, description="threshold: share of the prompt a match must exceed")
+    pending_ttl_s: float = Field(
+        30.0, ge=0, description="precise: how long a prompt sent to a replica counts as cached there before its events arrive (0: off)"
+    )
     history_ttl_s: float = Field(600.0, gt=0, description="approximate: how long a routed prefix counts as cached")
     history_max_entries: int = Field(1_000_000, ge=1, description="approximate: (block, replica) pairs kept")
     virtual_nodes: int = Field(64, ge=1, le=4096, description="session_affinity: ring points per replica")

@@ -54,7 +54,9 @@ def build_policy(
         balance_abs_threshold=config.balance_abs_threshold,
         balance_rel_threshold=config.balance_rel_threshold, cache_threshold=config.cache_threshold,
     )
-    return CacheAware(index=index, precise_replicas=precise, history=history, balance=balance), index
+    policy = CacheAware(index=index, precise_replicas=precise, history=history, balance=balance,
+                        pending_ttl_s=config.pending_ttl_s)
+    return policy, index
 
 
 class CacheRouting(Plugin):
@@ -105,5 +107,7 @@ class CacheRouting(Plugin):
             self.index.apply(replica, event)
 
     def _on_health(self, replica: int, is_healthy: bool) -> None:
-        if not is_healthy and isinstance(self.policy, CacheAware):
+        # out: its cache is gone or unknown; back: forget again, since a restarted process numbers
+        # its events from 1 and what the old one sent while stopping must not count
+        if isinstance(self.policy, CacheAware):
             self.policy.forget_replica(replica)

