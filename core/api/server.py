@@ -162,6 +162,11 @@ def serve(stack_ref: str | Path, *, host: str | None = None, port: int | None = 
         auth = "on" if state.keyring.enabled else "off (loopback only)"
         print(f"loopstack: serving stack {state.live.current.stack.name!r} with {state.model_name} on "
               f"http://{host}:{port} (auth {auth})", flush=True)
+        from loopstack.inference.router import Router
+
+        if isinstance(state.engine, Router):
+            for line in state.engine.describe():
+                print(f"loopstack: replica {line}", flush=True)
         await server.serve()
 
     try:

@@ -37,6 +37,11 @@ class Backend(Protocol):
     @property
     def publishes_kv_events(self) -> bool: ...
 
+    @property
+    def where(self) -> str:
+        """Where it runs, for logs: a pid, a URL."""
+        ...
+
     def is_up(self) -> bool:
         """A cheap local check (process alive, connection not known broken); no round trip."""
         ...
@@ -70,6 +75,10 @@ class EmbeddedBackend:
     @property
     def name(self) -> str:
         return f"embedded-{self.index}"
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pool.replicas[self.index].pid}"
 
     def is_up(self) -> bool:
         return self.pool.replicas[self.index].is_alive

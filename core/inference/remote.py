@@ -74,6 +74,10 @@ class RemoteBackend:
     def name(self) -> str:
         return self._name
 
+    @property
+    def where(self) -> str:
+        return self.url
+
     def is_up(self) -> bool:
         return not self._is_broken
 

@@ -223,6 +223,14 @@ class Router:
             except Exception:
                 logger.exception("KV event listener %r failed", listener)
 
+    def describe(self) -> list[str]:
+        """One line per replica: name, where it runs, in or out, how its cache is known."""
+        return [
+            f"{backend.name} ({backend.where}): {'up' if ok else 'out'}, "
+            f"{'KV events' if backend.publishes_kv_events else 'no KV events'}"
+            for backend, ok in zip(self.backends, self._healthy, strict=True)
+        ]
+
     def statistics(self) -> RouterStatistics:
         load = self._tracker.statistics()
         return RouterStatistics(

@@ -52,6 +52,8 @@ def respond(server, text: str, key: str) -> dict:
 def test_requests_are_served_through_the_router(server):
     _, state = server
     assert isinstance(state.engine, Router) and state.engine.num_replicas == 2
+    lines = state.engine.describe()  # what `loopstack serve` prints at start
+    assert lines[0].startswith("embedded-0 (pid ") and lines[1].endswith("up, KV events")
     body = respond(server, "Hi", "session-a")
     assert body["status"] in ("completed", "incomplete")
 
