@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(args.stack, host=args.host, port=args.port)
-    except (StackError, UnsafeBindError, EngineError, NotImplementedError) as exc:
+    except (StackError, UnsafeBindError, EngineError) as exc:
         sys.exit(f"loopstack: {exc}")
 
 

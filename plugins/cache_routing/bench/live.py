@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from loopstack.plugins.cache_routing.bench.replay import quantile
 from loopstack.plugins.cache_routing.bench.trace import TraceRequest
 
 __all__ = ["LiveRequest", "LiveResult", "build_replay", "drive"]
@@ -115,14 +115,7 @@ async def drive(replay: Sequence[LiveRequest], send: Callable[[LiveRequest], Asy
                 if reported and len(reported) == len(finals) else None)
     return LiveResult(
         num_requests=len(replay), num_failed=len(replay) - len(ttfts),
-        ttft_p50_s=_quantile(ttfts, 0.5), ttft_p99_s=_quantile(ttfts, 0.99),
+        ttft_p50_s=quantile(ttfts, 0.5), ttft_p99_s=quantile(ttfts, 0.99),
         output_tokens_per_s=outputs / wall if wall else 0.0, hit_rate=hit_rate, wall_s=wall,
     )
 
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]

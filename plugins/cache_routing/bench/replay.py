@@ -31,7 +31,7 @@ from loopstack.inference.types import RouteRequest, RoutingPolicy
 from loopstack.plugins.cache_routing.bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from loopstack.plugins.cache_routing.block_index import BlockIndex
 
-__all__ = ["ReplayResult", "ServiceModel", "conversation_key", "infinite_cache_hit_rate", "replay"]
+__all__ = ["ReplayResult", "ServiceModel", "conversation_key", "infinite_cache_hit_rate", "quantile", "replay"]
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,8 @@ def replay(
         imbalance=_weighted_imbalance(routed_per_window.values()),
         prefill_token_imbalance=_weighted_imbalance(prefill_per_window.values()),
         prefill_s=prefill_s,
-        ttft_p50_s=_quantile(ttfts, 0.5),
-        ttft_p99_s=_quantile(ttfts, 0.99),
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p99_s=quantile(ttfts, 0.99),
         num_waits=totals["waits"],
         predicted_hit_blocks=totals["predicted"],
     )
@@ -211,9 +211,10 @@ def _weighted_imbalance(windows) -> float:
     return weighted / total if total else 1.0
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted-or-not ``values`` (inclusive method); NaN when there are none."""
     if not values:
-        return 0.0
+        return float("nan")
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]

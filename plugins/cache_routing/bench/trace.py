@@ -11,9 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "MOONCAKE_TRACE", "TraceRequest", "load_trace"]
+__all__ = ["AGENT_TRACE", "MOONCAKE_BLOCK_TOKENS", "MOONCAKE_TRACE", "TraceRequest", "load_agent_trace", "load_trace"]
 
 MOONCAKE_TRACE = Path("traces") / "mooncake_conversation_trace.jsonl"
+# mini-swe-agent on SWE-bench Verified: 500 agent sessions, one row per model call (a source the
+# routing weights were not chosen on)
+AGENT_TRACE = Path("trajectories") / "swebench_minisweagent" / "per_turn_usage.jsonl"
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -43,4 +46,39 @@ def load_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a trace row ({exc})") from None
     requests.sort(key=lambda request: request.arrival_s)
+    return requests
+
+
+def load_agent_trace(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, limit: int | None = None) -> list[TraceRequest]:
+    """Agent sessions as block hash ids: ``per_turn_usage.jsonl`` rows (``instance_id``, ``turn``,
+    ``prompt_tokens``, ``completion_tokens``, ``created`` in seconds).
+
+    An agent's call n+1 repeats call n and appends (the loop is append-only), so block i of a
+    session is the same id on every turn; block 0 stands for the system prompt every session shares.
+    The task text after it differs per session, so no other block is shared across sessions.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the agent trace is not there (it comes with ../shared/data)")
+    rows = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                rows.append((float(row["created"]), str(row["instance_id"]), int(row["turn"]),
+                             int(row["prompt_tokens"]), int(row["completion_tokens"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a usage row ({exc})") from None
+    rows.sort(key=lambda row: (row[0], row[1], row[2]))
+    block_ids: dict[tuple[str, int], int] = {}
+
+    def block_id(session: str, index: int) -> int:
+        key = ("", 0) if index == 0 else (session, index)
+        return block_ids.setdefault(key, len(block_ids))
+
+    requests = []
+    start = rows[0][0] if rows else 0.0
+    for created, session, _, prompt_tokens, completion_tokens in rows[:limit]:
+        num_blocks = max(1, -(-prompt_tokens // block_tokens))
+        requests.append(TraceRequest(created - start, prompt_tokens, max(1, completion_tokens),
+                                     tuple(block_id(session, i) for i in range(num_blocks))))
     return requests

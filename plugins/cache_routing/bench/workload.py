@@ -14,7 +14,9 @@ The trace has no session ids; the policies that use ``prompt_cache_key`` (sessio
 cache_aware as a hint) get the conversation's first own block id (``hash_ids[1]``), as a client
 sending a conversation id would.
 
-Options: ``-o requests=N`` replays the first N requests (default: all 12,031; ``--quick``: 2,000 at
+Options: ``-o trace=swebench-agent`` replays the 500 mini-swe-agent SWE-bench sessions instead
+(20,163 model calls, :func:`~.trace.load_agent_trace`: a source the weights were not chosen on);
+``-o requests=N`` replays the first N requests (default: all 12,031; ``--quick``: 2,000 at
 two configurations); ``-o configs=4x2000,8x2000``; ``-o prefill_tokens_per_s=16000``,
 ``-o decode_s_per_token=0.025`` (the modelled replica speed); any other ``-o KEY=VALUE`` naming a
 ``[plugins.cache_routing]`` option (``queue_weight``, ``running_weight``, ...) changes the
@@ -36,7 +38,13 @@ from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
 from loopstack.inference.round_robin import RoundRobin
 from loopstack.inference.types import RoutingPolicy
 from loopstack.plugins.cache_routing.bench.replay import ReplayResult, ServiceModel, infinite_cache_hit_rate, replay
-from loopstack.plugins.cache_routing.bench.trace import MOONCAKE_TRACE, TraceRequest, load_trace
+from loopstack.plugins.cache_routing.bench.trace import (
+    AGENT_TRACE,
+    MOONCAKE_TRACE,
+    TraceRequest,
+    load_agent_trace,
+    load_trace,
+)
 from loopstack.plugins.cache_routing.block_index import BlockIndex
 from loopstack.plugins.cache_routing.config import CacheRoutingConfig
 from loopstack.plugins.cache_routing.plugin import build_policy
@@ -77,7 +85,13 @@ class RoutingWorkload(Workload):
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         extra = options.extra
         limit = int(extra["requests"]) if "requests" in extra else (QUICK_REQUESTS if options.quick else None)
-        self._requests = load_trace(options.data_dir / MOONCAKE_TRACE, limit=limit)
+        trace = extra.get("trace", "mooncake")
+        if trace == "mooncake":
+            self._requests = load_trace(options.data_dir / MOONCAKE_TRACE, limit=limit)
+        elif trace == "swebench-agent":
+            self._requests = load_agent_trace(options.data_dir / AGENT_TRACE, limit=limit)
+        else:
+            raise BenchOptionError(f"-o trace: expected mooncake or swebench-agent, got {trace!r}")
         if "configs" in extra:
             self._configs = tuple(_parse_config(text) for text in extra["configs"].split(","))
         elif options.quick:
@@ -88,9 +102,9 @@ class RoutingWorkload(Workload):
         )
         fields = set(CacheRoutingConfig.model_fields) - {"policy"}
         self._overrides = {key: value for key, value in extra.items() if key in fields}
-        unknown = set(extra) - fields - {"requests", "configs", "prefill_tokens_per_s", "decode_s_per_token"}
+        unknown = set(extra) - fields - {"requests", "configs", "prefill_tokens_per_s", "decode_s_per_token", "trace"}
         if unknown:
-            raise BenchOptionError(f"--workload routing: unknown option(s) {sorted(unknown)}; options: requests, configs,"
+            raise BenchOptionError(f"--workload routing: unknown option(s) {sorted(unknown)}; options: trace, requests, configs,"
                              f" prefill_tokens_per_s, decode_s_per_token, {', '.join(sorted(fields))}")
         try:
             CacheRoutingConfig(**{**COLUMNS["cache_aware"], **self._overrides})
@@ -104,7 +118,7 @@ class RoutingWorkload(Workload):
                                              capacity_blocks=num_replicas * capacity, service=instant)
             bounds[f"{num_replicas}x{capacity}"] = round(result.hit_rate, 4)
         self._config = {
-            "trace": str(MOONCAKE_TRACE),
+            "trace": str(MOONCAKE_TRACE if trace == "mooncake" else AGENT_TRACE),
             "requests": len(self._requests),
             "block_tokens": 512,
             "configs": [f"{n}x{c}" for n, c in self._configs],

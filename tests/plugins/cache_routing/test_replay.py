@@ -10,7 +10,13 @@ from loopstack.bench.runner import run_bench
 from loopstack.bench.workload import BenchOptions
 from loopstack.inference import RoundRobin
 from loopstack.plugins.cache_routing.bench.replay import infinite_cache_hit_rate, replay
-from loopstack.plugins.cache_routing.bench.trace import MOONCAKE_TRACE, TraceRequest, load_trace
+from loopstack.plugins.cache_routing.bench.trace import (
+    AGENT_TRACE,
+    MOONCAKE_TRACE,
+    TraceRequest,
+    load_agent_trace,
+    load_trace,
+)
 from loopstack.plugins.cache_routing.bench.workload import RoutingWorkload
 from loopstack.plugins.cache_routing.config import CacheRoutingConfig
 from loopstack.plugins.cache_routing.plugin import build_policy
@@ -106,3 +112,19 @@ def test_the_live_replay_keeps_each_conversations_turns_extending_each_other():
             assert after.prompt_token_ids[: len(before.prompt_token_ids)] == before.prompt_token_ids
     first_blocks = {request.prompt_token_ids[:8] for request in replay}
     assert len(first_blocks) == 1  # the shared system block is the same tokens everywhere
+
+
+@pytest.mark.skipif(not (SHARED_DATA / AGENT_TRACE).exists(), reason=f"needs {SHARED_DATA / AGENT_TRACE} (absent)")
+def test_agent_sessions_become_append_only_block_chains():
+    requests = load_agent_trace(SHARED_DATA / AGENT_TRACE, limit=3000)
+    assert len(requests) == 3000 and all(r.hash_ids[0] == requests[0].hash_ids[0] for r in requests)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    by_session: dict[int, list] = {}
+    for request in requests:
+        if len(request.hash_ids) > 1:
+            by_session.setdefault(request.hash_ids[1], []).append(request)
+    longest = max(by_session.values(), key=len)
+    for before, after in zip(longest, longest[1:]):
+        shorter = min(len(before.hash_ids), len(after.hash_ids))
+        assert before.hash_ids[:shorter] == after.hash_ids[:shorter]
+    assert infinite_cache_hit_rate(requests) > 0.5  # agent loops resend their history
