@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from loopstack.context import RequestContext
+    from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
@@ -98,7 +99,7 @@ class HookFacade:
     def router_started(self, router: RouterHandle) -> None:
         self.caller("loopstack_router_started")(router=router)
 
-    def proposer(self, ctx: RequestContext) -> Any | None:
+    def proposer(self, ctx: RequestContext) -> SpeculationSpec | None:
         return self.caller("loopstack_proposer")(ctx=ctx)
 
     def topology(self, engine_config: Any) -> Any | None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
     from collections.abc import Sequence
 
     from loopstack.context import RequestContext
+    from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
     from loopstack.tools import ToolSet
@@ -202,9 +203,11 @@ def loopstack_router_started(router: RouterHandle) -> None:
 
 
 @hookspec(firstresult=True)
-def loopstack_proposer(ctx: RequestContext) -> Any | None:
-    """Return a speculative-decoding proposer (draft model, n-gram) for this request.
-    Stops at first non-None result; ``None`` everywhere means plain decoding."""
+def loopstack_proposer(ctx: RequestContext) -> SpeculationSpec | None:
+    """How this request decodes speculatively: a :class:`~loopstack.engine.seams.speculation.SpeculationSpec`
+    (a proposer factory and its key, k, when to switch off). Called once per request that an
+    embedded engine serves; the engine verifies the drafts. Stops at first non-None result;
+    ``None`` everywhere means plain decoding."""
 
 
 @hookspec(firstresult=True)

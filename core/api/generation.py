@@ -17,6 +17,7 @@ from loopstack.engine import SamplingParams
 if TYPE_CHECKING:
     from loopstack.engine.capture import HiddenCapture
     from loopstack.engine.config import ModelConfig
+    from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import RouteHints
 
 __all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "EngineClient", "generation_inputs"]
@@ -44,9 +45,11 @@ class EngineClient(Protocol):
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                salt: str = "", capture: HiddenCapture | None = None,
-               hints: RouteHints | None = None) -> AsyncGenerator[Any, None]:
+               hints: RouteHints | None = None,
+               speculation: SpeculationSpec | None = None) -> AsyncGenerator[Any, None]:
         """The request's outputs as they come; closing the generator early aborts the request
-        and frees its KV blocks. ``hints`` matter to a router (one engine ignores them)."""
+        and frees its KV blocks. ``hints`` matter to a router (one engine ignores them);
+        ``speculation`` to an embedded engine (a remote one speculates by its own settings)."""
         ...
 
 

@@ -225,7 +225,8 @@ class ResponsesService:
     async def run(self, prepared: Prepared, ctx: RequestContext | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """The engine's output for ``prepared`` as Responses events, ``response.created`` to a
         terminal event (a refused or failed generation ends in ``response.failed``). ``ctx`` goes
-        to a router with the ``prompt_cache_key``, so the request's own plugins pick its replica."""
+        to a router with the ``prompt_cache_key``, so the request's own plugins pick its replica, and
+        asks them (``loopstack_proposer``) whether it decodes speculatively."""
         builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
         for event in builder.start():
             yield event
@@ -236,7 +237,8 @@ class ResponsesService:
             stream = self.engine.stream(prepared.prompt_ids, prepared.params, request_id=prepared.response_id,
                                         salt=tenant_salt(prepared.principal),
                                         capture=hidden.capture if hidden is not None else None,
-                                        hints=RouteHints(prepared.request.prompt_cache_key, ctx))
+                                        hints=RouteHints(prepared.request.prompt_cache_key, ctx),
+                                        speculation=ctx.hooks.proposer(ctx) if ctx is not None else None)
             async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
                 async for output in outputs:
                     last = output

@@ -22,6 +22,7 @@ from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import LLMEngine, RequestOutput, Usage
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class AsyncEngine:
         salt: str = "",
         capture: HiddenCapture | None = None,
         hints: object | None = None,
+        speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one :class:`RequestOutput` per step that touched the request; the last has
         ``finished=True``. Raises at once on invalid input (PromptTooLongError, ...).
@@ -111,12 +113,13 @@ class AsyncEngine:
         With ``capture``, one output carries ``hidden_state`` (see :class:`HiddenCapture`); when
         the capture ends before the prompt's last token, that output has no tokens. ``hints``
         (routing hints) are for a router in front of replicas; one engine ignores them.
+        ``speculation`` decodes it speculatively (see :mod:`loopstack.engine.speculator`).
         """
         if self._stopped:
             raise RuntimeError("the engine is shut down")
         request_id = request_id or f"req-{next(self._ids)}"
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params or SamplingParams(), salt=salt,
-                                        capture=capture)
+                                        capture=capture, speculation=speculation)
         waiter = _Waiter(asyncio.get_running_loop())
         self._waiters[request_id] = waiter
         self._submit("add", seq)

@@ -18,11 +18,13 @@ from loopstack.engine.capture import CaptureAccumulator, HiddenCapture, check_ca
 from loopstack.engine.errors import EngineError
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token
-from loopstack.engine.sampler import sample
+from loopstack.engine.sampler import sample, token_logprobs
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.scheduler import ScheduledChunk, Scheduler
 from loopstack.engine.seams.kv_events import KVEventBus
+from loopstack.engine.seams.speculation import ProposerContext, SpeculationSpec
 from loopstack.engine.sequence import FinishReason, Sequence, StopChecker
+from loopstack.engine.speculator import Speculator
 from loopstack.engine.text.grammar import GrammarBackend
 from loopstack.engine.text.tokenizer import Tokenizer
 
@@ -108,6 +110,10 @@ class LLMEngine:
             self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
+        self.speculator = Speculator(
+            ProposerContext(model.config.vocab_size, tuple(tokenizer.eos_token_ids), model.device, tokenizer),
+            self.block_manager, self.max_model_len,
+        )
         self._grammar: GrammarBackend | None = None
         self._seqs: dict[str, Sequence] = {}
         self._capturing: set[str] = set()  # request ids with a pending capture: the capturing forward runs
@@ -127,12 +133,14 @@ class LLMEngine:
 
     def make_sequence(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
-        capture: HiddenCapture | None = None,
+        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence (safe from any thread; does not enqueue).
 
         ``capture`` asks for the mean hidden state of some prompt positions (see
-        :class:`HiddenCapture`); it arrives as ``RequestOutput.hidden_state``.
+        :class:`HiddenCapture`); it arrives as ``RequestOutput.hidden_state``. ``speculation``
+        makes it decode speculatively (see :mod:`loopstack.engine.speculator`); its output is the
+        same as without (token for token when greedy, in distribution when sampling).
 
         Raises PromptTooLongError, InvalidGrammarError, InvalidHiddenCaptureError (a layer the
         model lacks, a span past the prompt), ValueError (empty prompt, bad token id).
@@ -150,7 +158,8 @@ class LLMEngine:
         if capture is not None:
             check_capture(capture, self.model.config, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt,
-                       capture=CaptureAccumulator(capture) if capture is not None else None)
+                       capture=CaptureAccumulator(capture) if capture is not None else None,
+                       speculation_spec=speculation)
         if params.grammar is not None:
             seq.grammar = self.grammar_backend.new_state(params.grammar)
         if params.seed is not None:
@@ -179,12 +188,15 @@ class LLMEngine:
         self._seqs[seq.request_id] = seq
         if seq.is_capturing:
             self._capturing.add(seq.request_id)
+        if seq.speculation_spec is not None:
+            self.speculator.attach(seq, seq.speculation_spec)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
-        capture: HiddenCapture | None = None,
+        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None,
     ) -> Sequence:
-        seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt, capture=capture)
+        seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt, capture=capture,
+                                 speculation=speculation)
         self.add_sequence(seq)
         return seq
 
@@ -195,6 +207,7 @@ class LLMEngine:
             return None
         self._capturing.discard(request_id)
         self.scheduler.finish(seq)
+        self.speculator.detach(seq)
         seq.finish(FinishReason.ABORT)
         return self._output(seq, [], "")
 
@@ -217,6 +230,8 @@ class LLMEngine:
         chunks = [c for c in chunks if not c.seq.is_finished]
         if not chunks:
             return outputs
+        if not self.speculator.is_idle:
+            chunks = self.speculator.plan(chunks, self.scheduler.max_num_batched_tokens)
         started = time.perf_counter()
         try:
             return outputs + self._run(chunks)
@@ -229,11 +244,12 @@ class LLMEngine:
         self.num_steps += 1
         self.num_computed_tokens += sum(c.end - c.start for c in chunks)
         for chunk in chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-            self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.token_ids[: chunk.end])
+            if not chunk.draft:  # a draft's KV is settled by its verification
+                chunk.seq.num_computed_tokens = chunk.end
+                self.block_manager.mark_computed(chunk.seq.request_id, chunk.seq.token_ids[: chunk.end])
         if self._capturing:
             outputs.extend(self._captured(chunks))
-        sampling = [c.seq for c in chunks if c.samples]
+        sampling = [c for c in chunks if c.samples]
         if sampling and logits is not None:
             outputs.extend(self._sample(sampling, logits))
         return outputs
@@ -250,20 +266,53 @@ class LLMEngine:
                     outputs.append(self._output(seq, [], ""))
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample one token per plain chunk; verify each draft chunk's rows (``1 + len(draft)`` of them)."""
         logits = logits.float().cpu()
-        for row, seq in enumerate(seqs):
-            if seq.grammar is not None:
-                seq.grammar.mask_logits(logits[row])
-        result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        plain: list[tuple[Sequence, int]] = []  # (sequence, its row)
+        drafted: list[tuple[Sequence, torch.Tensor]] = []
+        row = 0
+        for chunk in chunks:
+            if chunk.draft:
+                drafted.append((chunk.seq, logits[row : row + len(chunk.draft) + 1]))
+            else:
+                plain.append((chunk.seq, row))
+            row += len(chunk.draft) + 1
         now = time.perf_counter()
         outputs = []
-        for i, seq in enumerate(seqs):
-            token = result.token_ids[i]
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            outputs.append(self.append_token(seq, token, result.logprobs[i], result.top_logprobs[i]))
+        if plain:
+            rows = logits[[r for _, r in plain]]
+            seqs = [seq for seq, _ in plain]
+            for i, seq in enumerate(seqs):
+                if seq.grammar is not None:
+                    seq.grammar.mask_logits(rows[i])
+            result = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, seq in enumerate(seqs):
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                outputs.append(self.append_token(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]))
+        for seq, rows in drafted:
+            outputs.append(self._append_verified(seq, rows))
         return outputs
+
+    def _append_verified(self, seq: Sequence, rows: torch.Tensor) -> RequestOutput:
+        """Append what the verification of ``seq``'s draft keeps, as one output; stops where the
+        sequence ends (a stop string, EOS or max_tokens inside the kept tokens)."""
+        verdict = self.speculator.accept(seq, rows)  # masks the rows with the grammar, rolls KV back
+        tokens: list[int] = []
+        text = ""
+        logprobs: list[float | None] = []
+        output = None
+        for i, token in enumerate(verdict.token_ids):
+            logprob, top = token_logprobs(rows[i], token, seq.params)
+            output = self.append_token(seq, token, logprob, top)
+            tokens += output.new_token_ids
+            text += output.new_text
+            logprobs += output.logprobs or []
+            if seq.is_finished:
+                break
+        assert output is not None
+        return self._output(seq, tokens, text, logprobs if seq.params.logprobs is not None else None)
 
     def append_token(
         self, seq: Sequence, token: int, logprob: float | None = None, top_logprobs: list[tuple[int, float]] | None = None
@@ -297,10 +346,12 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.speculator.detach(seq)
         self._seqs.pop(seq.request_id, None)
         self._capturing.discard(seq.request_id)
 
     def _finish_failed(self, seq: Sequence) -> RequestOutput:
+        self.speculator.detach(seq)
         self._seqs.pop(seq.request_id, None)
         self._capturing.discard(seq.request_id)
         return self._output(seq, [], "")
@@ -333,4 +384,5 @@ class LLMEngine:
             "busy_s": self.busy_s,
             "computed_tokens": self.num_computed_tokens,
             "pending_captures": len(self._capturing),
+            "speculation": self.speculator.statistics.as_dict(),
         }

@@ -32,7 +32,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk], *, capture: bool = False) -> torch.Tensor | None:
-        """One forward over every chunk; logits ``[S, V]`` for the chunks that sample, in order.
+        """One forward over every chunk; logits for the chunks that sample, in order: ``1 +
+        len(chunk.draft)`` rows each (a draft's every position is scored), ``[rows, V]``.
 
         ``capture``: some sequence may have a hidden-state capture pending (see
         :meth:`_execute_capturing`).
@@ -40,39 +41,29 @@ class ModelRunner:
         chunks = [c for c in chunks if c.end > c.start]
         if not chunks:
             return None
-        meta, input_ids = self._metadata([(c.seq.request_id, c.seq.token_ids, c.start, c.end) for c in chunks])
+        meta, input_ids = self._metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
+        rows = [int(ends[i]) + j - len(c.draft) for i, c in enumerate(chunks) if c.samples
+                for j in range(len(c.draft) + 1)]
         if capture:
-            return self._execute_capturing(chunks, meta, input_ids, ends)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if not sampling:
+            return self._execute_capturing(chunks, meta, input_ids, rows or [int(ends[0])])
+        if not rows:
             self.model(input_ids, meta.positions(), self.kv_cache, meta, logits_indices=ends[:1].to(self.device))
             return None
-        logits_indices = ends[sampling].to(self.device)
+        logits_indices = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, meta.positions(), self.kv_cache, meta, logits_indices=logits_indices)
 
     def _execute_capturing(
-        self, chunks: list[ScheduledChunk], meta: AttentionMetadata, input_ids: torch.Tensor, ends: torch.Tensor
+        self, chunks: list[ScheduledChunk], meta: AttentionMetadata, input_ids: torch.Tensor, rows: list[int]
     ) -> torch.Tensor | None:
         """:meth:`execute`, adding the rows of each capturing sequence's positions in this batch
         to its :class:`~loopstack.engine.capture.CaptureAccumulator`."""
         batch = CaptureBatch.plan([(c.seq.capture, c.start, c.end) for c in chunks], self.device)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
         logits = self.model(input_ids, meta.positions(), self.kv_cache, meta,
-                            logits_indices=ends[sampling or [0]].to(self.device), captures=batch.layers)
+                            logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
+                            captures=batch.layers)
         batch.deliver()
-        return logits if sampling else None
-
-    @torch.inference_mode()
-    def score(self, seq_id: str, token_ids: Seq[int], start: int, end: int) -> torch.Tensor:
-        """Compute tokens ``[start, end)`` of one sequence; logits at every one of them ``[end-start, V]``.
-
-        The speculative-decoding seam: write a draft's KV and get the target's logits for
-        each draft position in one forward (roll back with ``BlockManager.truncate``).
-        """
-        meta, input_ids = self._metadata([(seq_id, token_ids, start, end)])
-        indices = torch.arange(end - start, device=self.device)
-        return self.model(input_ids, meta.positions(), self.kv_cache, meta, logits_indices=indices)
+        return logits if any(c.samples for c in chunks) else None
 
     def _metadata(self, items: list[tuple[str, Seq[int], int, int]]) -> tuple[AttentionMetadata, torch.Tensor]:
         bm = self.block_manager

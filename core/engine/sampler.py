@@ -14,7 +14,7 @@ import torch
 
 from loopstack.engine.sampling_params import SamplingParams
 
-__all__ = ["SampleOutput", "sample"]
+__all__ = ["SampleOutput", "sample", "sampling_probs", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,27 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy ``params`` samples from, for each row of ``logits`` [N, V]:
+    temperature, then top-k and top-p (what :func:`sample` draws from; speculative acceptance
+    compares draft tokens against it)."""
+    rows = [_filter_top_k_top_p(row / params.temperature, params.top_k, params.top_p) for row in logits.float()]
+    return torch.softmax(torch.stack(rows), dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token: int, params: SamplingParams
+) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """The logprob of ``token`` under ``logits`` [V] and the top ``params.logprobs`` (None when not asked)."""
+    if params.logprobs is None:
+        return None, None
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if params.logprobs == 0:
+        return float(logprobs[token]), []
+    values, ids = torch.topk(logprobs, params.logprobs)
+    return float(logprobs[token]), list(zip(ids.tolist(), values.tolist()))
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -60,15 +81,7 @@ def sample(
             probs = torch.softmax(filtered, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generators[row]).item())
         token_ids.append(token)
-        if p.logprobs is None:
-            chosen_logprobs.append(None)
-            tops.append(None)
-            continue
-        logprobs = torch.log_softmax(logits[row], dim=-1)
-        chosen_logprobs.append(float(logprobs[token]))
-        if p.logprobs > 0:
-            values, ids = torch.topk(logprobs, p.logprobs)
-            tops.append(list(zip(ids.tolist(), values.tolist())))
-        else:
-            tops.append([])
+        logprob, top = token_logprobs(logits[row], token, p)
+        chosen_logprobs.append(logprob)
+        tops.append(top)
     return SampleOutput(token_ids, chosen_logprobs, tops)

@@ -22,15 +22,25 @@ __all__ = ["ScheduledChunk", "Scheduler", "SchedulerStatistics"]
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute tokens ``[start, end)`` of ``seq`` this step; sample if ``end`` is its last."""
+    """Compute tokens ``[start, end)`` of ``seq`` this step; sample if ``end`` is its last.
+
+    ``draft``: speculative tokens after the sequence's last one (see :mod:`loopstack.engine.speculator`),
+    computed in the same forward; ``end`` then counts them, and every one of them is scored.
+    """
 
     seq: Sequence
     start: int
     end: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
+        return self.end == self.seq.num_tokens + len(self.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The sequence's tokens with the draft after them."""
+        return self.seq.token_ids + list(self.draft) if self.draft else self.seq.token_ids
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,10 @@ from loopstack.engine.capture import CaptureAccumulator
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.text.grammar import GrammarState
 from loopstack.engine.text.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from loopstack.engine.seams.speculation import SpeculationSpec
+    from loopstack.engine.speculator import SequenceSpeculation
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus", "StopChecker"]
 
@@ -82,6 +87,8 @@ class Sequence:
     first_token_time: float | None = None
     admitted: bool = False
     capture: CaptureAccumulator | None = None  # a hidden-state capture asked for (see loopstack.engine.capture)
+    speculation_spec: SpeculationSpec | None = None  # asked for speculative decoding
+    speculation: SequenceSpeculation | None = None  # its state while it runs (see loopstack.engine.speculator)
 
     @property
     def token_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from loopstack.engine.errors import EngineError
 from loopstack.engine.llm_engine import RequestOutput
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.replica_pool import ReplicaPool
+from loopstack.engine.seams.speculation import SpeculationSpec
 
 __all__ = ["Backend", "EmbeddedBackend", "ReplicaBusyError", "ReplicaUnavailableError"]
 
@@ -56,9 +57,10 @@ class Backend(Protocol):
 
     def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
-        capture: HiddenCapture | None,
+        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; closing the iterator early aborts it on the replica."""
+        """The request's outputs; closing the iterator early aborts it on the replica. ``speculation``:
+        decode speculatively where the replica can (a remote server ignores it: it runs its own)."""
         ...
 
 
@@ -92,7 +94,7 @@ class EmbeddedBackend:
 
     def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
-        capture: HiddenCapture | None,
+        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
         return self.pool.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
-                                replica_index=self.index)
+                                speculation=speculation, replica_index=self.index)

@@ -31,6 +31,7 @@ import httpx
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.llm_engine import RequestOutput, Usage
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
 from loopstack.inference.backends import ReplicaBusyError, ReplicaUnavailableError
 
@@ -106,8 +107,9 @@ class RemoteBackend:
 
     async def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
-        capture: HiddenCapture | None,
+        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        del speculation  # the server speculates (or not) by its own configuration
         if capture is not None:
             raise ValueError("a remote replica cannot capture hidden states")
         body = await self._body(prompt_token_ids, params, request_id)

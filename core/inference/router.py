@@ -35,6 +35,7 @@ from loopstack.engine.llm_engine import RequestOutput, Usage
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.kv_events import KVCacheEvent
 from loopstack.engine.seams.replica_worker import ReplicaDiedError
+from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
 from loopstack.inference.backends import Backend, ReplicaBusyError, ReplicaUnavailableError
 from loopstack.inference.load import LoadTracker
@@ -54,6 +55,7 @@ __all__ = ["NoHealthyReplicaError", "Router", "RouterOptions", "RouterStatistics
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+_Extras = tuple[HiddenCapture | None, SpeculationSpec | None]  # what a request asks of the engine beyond tokens
 
 
 class NoHealthyReplicaError(ReplicaUnavailableError):
@@ -140,6 +142,7 @@ class Router:
     async def stream(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, *, request_id: str | None = None,
         salt: str = "", capture: HiddenCapture | None = None, hints: RouteHints | None = None,
+        speculation: SpeculationSpec | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs, from the replica the policy picks; closing early aborts it there.
 
@@ -157,7 +160,8 @@ class Router:
 
         request_id = request_id or f"route-{uuid.uuid4().hex[:12]}"
         future = self._loop.submit(self._serve(
-            list(prompt_token_ids), params or SamplingParams(), request_id, salt, capture, hints or RouteHints(), put))
+            list(prompt_token_ids), params or SamplingParams(), request_id, salt, (capture, speculation),
+            hints or RouteHints(), put))
 
         def wake_if_cancelled(done: Any) -> None:  # the router shut down under this request
             if done.cancelled():
@@ -283,9 +287,9 @@ class Router:
     # -- serving (router loop) ---------------------------------------------------------------------
 
     async def _serve(self, ids: list[int], params: SamplingParams, request_id: str, salt: str,
-                     capture: HiddenCapture | None, hints: RouteHints, put: Callable[[Any], None]) -> None:
+                     extras: _Extras, hints: RouteHints, put: Callable[[Any], None]) -> None:
         try:
-            await self._route_and_stream(ids, params, request_id, salt, capture, hints, put)
+            await self._route_and_stream(ids, params, request_id, salt, extras, hints, put)
             put(_DONE)
         except asyncio.CancelledError:
             raise
@@ -293,7 +297,7 @@ class Router:
             put(exc)
 
     async def _route_and_stream(self, ids: list[int], params: SamplingParams, request_id: str, salt: str,
-                                capture: HiddenCapture | None, hints: RouteHints, put: Callable[[Any], None]) -> None:
+                                extras: _Extras, hints: RouteHints, put: Callable[[Any], None]) -> None:
         route = RouteRequest(ids, self._block_size, salt=salt.encode(), cache_key=hints.cache_key,
                              request_id=request_id, arrival_s=time.monotonic())
         excluded: set[int] = set()
@@ -305,7 +309,7 @@ class Router:
                                  num_cached_tokens=route.cached_tokens(decision.predicted_cached_blocks or 0))
             delivered: list[RequestOutput] = []
             try:
-                await self._stream_from(index, ids, params, request_id, salt, capture, key, hints, delivered, put)
+                await self._stream_from(index, ids, params, request_id, salt, extras, key, hints, delivered, put)
                 return
             except (ReplicaDiedError, ReplicaUnavailableError) as exc:
                 if not isinstance(exc, ReplicaBusyError):
@@ -325,10 +329,12 @@ class Router:
                 self._tracker.finished(key)
 
     async def _stream_from(self, index: int, ids: list[int], params: SamplingParams, request_id: str, salt: str,
-                           capture: HiddenCapture | None, key: object, hints: RouteHints,
+                           extras: _Extras, key: object, hints: RouteHints,
                            delivered: list[RequestOutput], put: Callable[[Any], None]) -> None:
         backend = self.backends[index]
-        stream = backend.stream(ids, params, request_id=request_id, salt=salt, capture=capture)
+        capture, speculation = extras
+        stream = backend.stream(ids, params, request_id=request_id, salt=salt, capture=capture,
+                                speculation=speculation)
         try:
             while True:
                 timeout = self.options.stall_timeout_s if delivered else self.options.first_output_timeout_s

@@ -42,6 +42,24 @@ def test_decode_steps_match_the_python_layers(overrides):
     torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", ["one", "two"])
+def test_several_new_tokens_per_sequence_match_the_python_layers(shape):
+    """A speculative verification: k + 1 new tokens per sequence over its cached context, causal
+    among themselves (and a short fresh prompt, which takes the same path)."""
+    python, native = quantized_pair()
+    runners = PagedRunner(python), PagedRunner(native)
+    prompts = {"a": [5, 9, 14, 3, 7, 11, 3]} if shape == "one" else {"a": [5, 9, 14, 3, 7, 11, 3], "b": [8, 1, 22, 4]}
+    for runner in runners:
+        runner.step(prompts)
+    for step in range(3):
+        batch = {seq_id: [10 + step, 11, 12, 13] for seq_id in prompts}  # 4 rows each: the C++ loop
+        expected, actual = (runner.step(batch, all_logits=True) for runner in runners)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    fresh = [runner.step({"fresh": [3, 1, 4, 1, 5]}, all_logits=True) for runner in runners]
+    torch.testing.assert_close(fresh[1], fresh[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-6, rtol=1e-6)
+
+
 def test_contiguous_single_sequence_reads_its_context_in_place():
     python, native = quantized_pair()
     caches = [model.allocate_kv_cache(num_blocks=8, block_size=4) for model in (python, native)]
@@ -66,6 +84,9 @@ def test_it_applies_only_where_it_is_exact():
     _, native = quantized_pair()
     decoder = native.native_decoder
     one = AttentionMetadata.build([1], [5], [[0, 1]], 4)
-    prefill = AttentionMetadata.build([3], [3], [[0]], 4)
-    assert decoder.applies(one) and not decoder.applies(prefill)
+    verify = AttentionMetadata.build([4, 4], [9, 6], [[0, 1, 2], [3, 4]], 4)  # the same new tokens per sequence
+    ragged = AttentionMetadata.build([3, 1], [3, 5], [[0], [1, 2]], 4)
+    too_many = AttentionMetadata.build([9], [9], [[0, 1, 2]], 4)
+    assert decoder.applies(one) and decoder.applies(verify)
+    assert not decoder.applies(ragged) and not decoder.applies(too_many)
     assert copy.deepcopy(native).native_decoder is None  # a copy must not run the original's weights

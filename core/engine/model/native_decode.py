@@ -41,7 +41,7 @@ def load_extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="loopstack_decode_layers_v1", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name="loopstack_decode_layers_v2", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the Python layers still work
         log.warning("native decode unavailable (%s: %s); decode steps use the Python layers",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -98,7 +98,7 @@ class NativeDecoder:
         return None  # it holds the original model's weights: a copied model takes the Python layers
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        return meta.max_query_len == 1 and meta.num_tokens <= self.max_rows
+        return meta.num_tokens <= self.max_rows and (meta.max_query_len == 1 or meta.has_uniform_queries)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_slots: torch.Tensor,
             meta: AttentionMetadata, mask: torch.Tensor | None) -> torch.Tensor:
@@ -108,5 +108,5 @@ class NativeDecoder:
         return self._ext.decode_layers(
             hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, meta.context_lens[0],
             -1 if contiguous is None else contiguous * meta.block_size, mask, self._weights,
-            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale,
+            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale, meta.max_query_len,
         )

@@ -47,6 +47,7 @@ from loopstack.engine.seams.replica_worker import (
     ReplicaStartError,
     replica_main,
 )
+from loopstack.engine.seams.speculation import SpeculationSpec
 
 __all__ = [
     "KVEventSubscriber",
@@ -125,11 +126,12 @@ class ReplicaStream:
     def __init__(
         self, pool: ReplicaPool, replica: ReplicaProcess, request_id: str, prompt_token_ids: list[int],
         params: SamplingParams, salt: str, capture: HiddenCapture | None = None,
+        speculation: SpeculationSpec | None = None,
     ) -> None:
         self.request_id = request_id
         self._pool = pool
         self._replica = replica
-        self._request = (request_id, prompt_token_ids, params, salt, capture)
+        self._request = (request_id, prompt_token_ids, params, salt, capture, speculation)
         self._tag: int | None = None
         self._queue: asyncio.Queue[RequestOutput | BaseException] | None = None
         self._is_done = False
@@ -345,6 +347,7 @@ class ReplicaPool:
         request_id: str | None = None,
         salt: str = "",
         capture: HiddenCapture | None = None,
+        speculation: SpeculationSpec | None = None,
         replica_index: int | None = None,
     ) -> ReplicaStream:
         """Stream a request from one replica: ``async for output in pool.stream(ids, replica_index=0): ...``.
@@ -357,6 +360,8 @@ class ReplicaPool:
         Args:
             capture: a hidden-state capture, delivered on one output as in
                 :meth:`AsyncEngine.stream <loopstack.engine.AsyncEngine.stream>`.
+            speculation: decode speculatively (the spec pickles to the replica, which keeps its own
+                proposers).
             replica_index: the replica to run on (a router's choice); None: the live replica with the
                 fewest open streams, the lowest index on a tie.
 
@@ -372,7 +377,7 @@ class ReplicaPool:
         request_id = request_id or f"pool-{replica_index}-{next(self._ids)}"
         return ReplicaStream(
             self, self._replicas[replica_index], request_id, list(prompt_token_ids), params or SamplingParams(), salt,
-            capture,
+            capture, speculation,
         )
 
     async def generate(

@@ -15,7 +15,7 @@ Wire format: every message is a pickled tuple whose first item names it.
 
 Parent -> child::
 
-    ("add", tag, request_id, prompt_token_ids, params, salt, capture)   # capture: HiddenCapture | None
+    ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation)   # HiddenCapture | None, SpeculationSpec | None
     ("abort", tag)
     ("stats", token)
     ("shutdown",)                                    # abort what runs, reply, exit 0
@@ -202,9 +202,10 @@ class _ReplicaServer:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "add":
-            _, tag, request_id, prompt_token_ids, params, salt, capture = message
+            _, tag, request_id, prompt_token_ids, params, salt, capture, speculation = message
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture)
+                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture,
+                                        speculation=speculation)
             except Exception as exc:  # validation: the request never entered the engine
                 self._send(("rejected", tag, error_type_paths(exc), str(exc)))
                 return

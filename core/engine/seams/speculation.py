@@ -1,64 +1,99 @@
-"""The engine seam speculative decoding plugs into: verify k drafted tokens in one forward.
+"""The seam speculative decoding plugs into: what a proposer is, and how a request asks for one.
 
-gpt-fast style, for one running sequence in decode state (every token but the last has
-its KV): write the drafts' KV and score the k+1 positions in one target forward, keep
-the longest prefix of drafts the target agrees with plus the target's own next token,
-and roll the rejected drafts' KV back. Greedy acceptance is exact, so the output equals
-plain greedy decoding token for token. (Sampling with rejection sampling will be the
-``spec_decode`` plugin's job, on the same seam; that plugin is declared, not built yet.)
+A request that speculates carries a :class:`SpeculationSpec` (``stream(..., speculation=spec)``).
+The engine keeps one :class:`Proposer` per spec key for its whole life (a proposer may learn
+across requests: SuffixDecoding's global tree, a draft model's KV cache) and asks it, once per
+step, for drafts for every speculating sequence in decode state; the target verifies them all
+in that step's one forward (see :mod:`loopstack.engine.speculator`). A spec is plain data and a
+picklable factory, so it travels to replica processes as it is.
+
+Third parties write a proposer class with :meth:`Proposer.propose` (and ``finish``) and return
+``SpeculationSpec(factory=TheirProposer, key="theirs", ...)`` from the ``loopstack_proposer`` hook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from loopstack.engine.llm_engine import LLMEngine, RequestOutput
+__all__ = ["Proposal", "Proposer", "ProposerContext", "ProposerFactory", "SpeculatingSequence", "SpeculationSpec"]
 
-__all__ = ["VerifyResult", "verify_greedy"]
+
+class SpeculatingSequence(Protocol):
+    """What a proposer may read of a sequence (the engine's own :class:`~loopstack.engine.sequence.Sequence`,
+    read only: do not mutate its lists)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    salt: str
 
 
 @dataclass(frozen=True)
-class VerifyResult:
-    num_drafted: int
-    num_accepted: int  # drafts the target agreed with
-    outputs: list[RequestOutput]  # one per token appended (accepted drafts + the bonus token)
+class Proposal:
+    """Draft tokens for one sequence: what the proposer thinks follows its last token.
 
-
-@torch.inference_mode()
-def verify_greedy(engine: LLMEngine, request_id: str, draft_token_ids: Seq[int]) -> VerifyResult:
-    """Verify ``draft_token_ids`` for a greedy, running, fully prefilled request.
-
-    Raises ValueError if the request is unknown, not greedy, or still prefilling.
+    ``probs``: ``[len(token_ids), V]`` float32, the distribution each draft token was drawn from
+    (a draft model sampling); ``None`` for a deterministic draft (model-free proposers, greedy
+    drafts). Rejection sampling uses it so the output distribution stays the target's.
     """
-    seq = engine.sequence(request_id)
-    if seq is None or not seq.params.is_greedy or seq.num_uncomputed != 1:
-        raise ValueError(f"{request_id!r} is not a running greedy request in decode state")
-    bm = engine.block_manager
-    draft = list(draft_token_ids)[: max(0, engine.max_model_len - seq.num_tokens - 1)]
-    base = seq.num_tokens  # tokens so far; the last one is not computed yet
-    tokens = seq.token_ids + draft
-    missing = base + len(draft) - bm.num_tokens(request_id)
-    if missing > 0:
-        bm.append_slots(request_id, missing)
-    # [k + 1, V]: row i predicts the token after tokens[base - 1 + i]
-    logits = engine.runner.score(request_id, tokens, base - 1, base + len(draft)).float().cpu()
-    if seq.grammar is not None:
-        raise ValueError("grammar-constrained requests are verified token by token, not speculatively")
-    target = logits.argmax(dim=-1).tolist()
-    num_accepted = 0
-    while num_accepted < len(draft) and draft[num_accepted] == target[num_accepted]:
-        num_accepted += 1
-    # KV is valid for every token up to the last accepted draft; drop the rest
-    kept = base + num_accepted
-    bm.truncate(request_id, kept)
-    seq.num_computed_tokens = kept
-    bm.mark_computed(request_id, tokens[:kept])
-    outputs = []
-    for token in draft[:num_accepted] + [target[num_accepted]]:
-        outputs.append(engine.append_token(seq, token))
-        if seq.is_finished:
-            break
-    return VerifyResult(len(draft), num_accepted, outputs)
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer factory gets from the engine that will run it."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    tokenizer: Any  # the target's tokenizer (a draft model must share it)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes draft tokens; one per engine and spec key, called on the engine thread only."""
+
+    def propose(self, seqs: Sequence[SpeculatingSequence], max_tokens: Sequence[int]) -> list[Proposal]:
+        """Drafts for ``seqs`` (one per sequence, in order), at most ``max_tokens[i]`` tokens each
+        (an empty proposal: nothing to propose, the sequence decodes plainly this step)."""
+        ...
+
+    def finish(self, seq: SpeculatingSequence) -> None:
+        """``seq`` ended (finished, aborted or preempted): free what is held for it, learn from its output."""
+        ...
+
+
+ProposerFactory = Callable[[ProposerContext], Proposer]
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    """How one request speculates.
+
+    Attributes:
+        factory: builds the engine's proposer for ``key`` on first use (a class or a
+            ``functools.partial`` of one: it must pickle to reach a replica process).
+        key: identifies the proposer instance within an engine (same key, same proposer).
+        num_speculative_tokens: the most draft tokens verified per step (k).
+        adaptive: adapt k per sequence to its recent acceptance.
+        max_batch_size: speculate only in steps with at most this many sequences; above it
+            verifying costs more than it saves.
+    """
+
+    factory: ProposerFactory
+    key: str
+    num_speculative_tokens: int = 7
+    adaptive: bool = True
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")

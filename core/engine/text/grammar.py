@@ -28,7 +28,7 @@ from loopstack.engine.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-__all__ = ["GrammarBackend", "GrammarState", "InvalidGrammarError"]
+__all__ = ["GrammarBackend", "GrammarState", "InvalidGrammarError", "apply_bitmask"]
 
 GRAMMAR_TYPES = ("json_schema", "structural_tag", "regex", "ebnf")
 
@@ -98,6 +98,16 @@ class GrammarBackend:
         return GrammarState(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int | None = None) -> None:
+    """Set the tokens ``bitmask`` disallows (and any past ``vocab_size``) in ``logits`` [V] to -inf, in place."""
+    import xgrammar as xgr
+
+    vocab_size = min(vocab_size or logits.shape[-1], bitmask.shape[-1] * 32, logits.shape[-1])
+    xgr.apply_token_bitmask_inplace(logits[:vocab_size].unsqueeze(0), bitmask)
+    if logits.shape[-1] > vocab_size:
+        logits[vocab_size:] = float("-inf")
+
+
 class GrammarState:
     """The matcher of one sequence."""
 
@@ -112,10 +122,18 @@ class GrammarState:
     def mask_logits(self, logits: torch.Tensor) -> None:
         """Set disallowed tokens of ``logits`` [V] (CPU, float32) to -inf, in place."""
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        row = logits[: self.vocab_size].unsqueeze(0)
-        self._xgr.apply_token_bitmask_inplace(row, self._bitmask)
-        if logits.shape[-1] > self.vocab_size:
-            logits[self.vocab_size :] = float("-inf")
+        apply_bitmask(logits, self._bitmask, self.vocab_size)
+
+    def next_token_bitmask(self) -> torch.Tensor:
+        """A copy of the allowed-token bitmask at the current state (``[1, ceil(V / 32)]`` int32)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return self._bitmask.clone()
+
+    @staticmethod
+    def allows(bitmask: torch.Tensor, token_id: int) -> bool:
+        """Whether ``bitmask`` (from :meth:`next_token_bitmask`) allows ``token_id``."""
+        word = int(bitmask[0, token_id // 32])
+        return bool((word >> (token_id % 32)) & 1)
 
     def accept(self, token_id: int) -> bool:
         """Advance over ``token_id``; False if the grammar does not allow it."""

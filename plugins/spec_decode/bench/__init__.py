@@ -1,0 +1,1 @@
+"""The ``spec`` bench: decode speed and acceptance, plugin off vs each proposer (see :mod:`.workload`)."""
