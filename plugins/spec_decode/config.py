@@ -12,9 +12,9 @@ __all__ = ["SpecDecodeConfig"]
 
 
 class SpecDecodeConfig(PluginConfig):
-    proposer: Literal["suffix", "ngram", "draft_model"] = Field(
-        "suffix", description="where draft tokens come from: suffix (SuffixDecoding), ngram (prompt lookup), "
-        "draft_model (a smaller model sharing the tokenizer)")
+    proposer: Literal["suffix", "ngram"] = Field(
+        "suffix", description="where draft tokens come from: suffix (SuffixDecoding) or ngram (prompt lookup); "
+        "a draft model is not built yet")
     num_speculative_tokens: int = Field(7, ge=1, le=32, description="the most draft tokens verified per step (k)")
     adaptive: bool = Field(True, description="adapt k per sequence to its recent acceptance")
     max_batch_size: int = Field(
@@ -28,14 +28,9 @@ class SpecDecodeConfig(PluginConfig):
     # ngram
     min_n: int = Field(2, ge=1, le=64, description="ngram: the shortest tail matched")
     max_n: int = Field(8, ge=1, le=64, description="ngram: the longest tail matched")
-    # draft_model
-    draft_model: str | None = Field(None, description="draft_model: a model name, .gguf file or HF directory")
-    draft_quantization: Literal["auto", "none", "int8", "int4"] = Field("auto", description="draft_model: as [engine]")
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
-        if self.proposer == "draft_model" and not self.draft_model:
-            raise ValueError("proposer = 'draft_model' needs draft_model (a model name, .gguf file or HF directory)")
         return self

@@ -27,14 +27,9 @@ def build_spec(config: SpecDecodeConfig) -> SpeculationSpec:
         options = SuffixOptions(max_match=config.max_match, spec_factor=config.spec_factor,
                                 min_prob=config.min_prob, global_tokens=config.global_tokens)
         factory = functools.partial(SuffixProposer, options=options)
-    elif config.proposer == "ngram":
+    else:
         options = NgramOptions(min_n=config.min_n, max_n=config.max_n)
         factory = functools.partial(NgramProposer, options=options)
-    else:
-        from loopstack.plugins.spec_decode.draft import DraftModelOptions, DraftModelProposer
-
-        options = DraftModelOptions(model=str(config.draft_model), quantization=config.draft_quantization)
-        factory = functools.partial(DraftModelProposer, options=options)
     return SpeculationSpec(factory, key=f"{config.proposer}:{options!r}",
                            num_speculative_tokens=config.num_speculative_tokens, adaptive=config.adaptive,
                            max_batch_size=config.max_batch_size)
@@ -44,7 +39,7 @@ class SpecDecode(Plugin):
     name = "spec_decode"
     layers = (Layer.INFERENCE,)
     Config = SpecDecodeConfig
-    summary = "Draft tokens cheaply (suffix tree, n-gram or a draft model), verify them in one target forward."
+    summary = "Draft tokens cheaply (suffix index or n-gram lookup), verify them all in the step's one forward."
 
     config: SpecDecodeConfig
 

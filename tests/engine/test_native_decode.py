@@ -90,3 +90,20 @@ def test_it_applies_only_where_it_is_exact():
     assert decoder.applies(one) and decoder.applies(verify)
     assert not decoder.applies(ragged) and not decoder.applies(too_many)
     assert copy.deepcopy(native).native_decoder is None  # a copy must not run the original's weights
+
+
+def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
+    ext = load_extension()
+    kv = torch.randn(2, 20 * 4, 3, 16)  # [2, slots, Hkv, D]
+    q = torch.randn(5, 6, 16)  # 5 rows of one sequence, 6 heads
+    tables = torch.randperm(20).view(1, -1)
+    lengths = [60 + j for j in range(5)]
+    together = ext.attend_rows(q, kv, tables, lengths, [5], -1, 4, 0.25)
+    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, 4, 0.25) for j in range(5)])
+    assert torch.equal(together, alone)  # bit for bit
+    blocks = kv.view(2, 20, 4, 3, 16)[:, tables[0]].reshape(2, -1, 3, 16)
+    k, v = blocks.transpose(1, 2)  # [Hkv, C, D]
+    for j, length in enumerate(lengths):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[j].view(3, 2, 16), k[:, :length], v[:, :length], scale=0.25).reshape(-1)
+        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)

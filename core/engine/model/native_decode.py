@@ -6,8 +6,14 @@ step on 2 cores. The extension runs the same ops in the same order from C++ (wha
 graphs do for a GPU engine, without capturing anything), so its logits equal the Python
 path's. It covers what CPU decode runs: a float32 residual stream with weight-only int4
 projections fed bfloat16 (``quant.quantize_model(model, "int4")`` on a CPU with fast
-bfloat16), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences. Anything else
-(prefill, other quantizations, sliding windows, a GPU) takes the Python layers.
+bfloat16), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences, and speculative
+verifications (a few new tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS``
+rows). Anything else (prefill, other quantizations, sliding windows, a GPU) takes the Python layers.
+
+Each query row attends alone over exactly its own context (one attention call per row), so a
+row's result does not depend on what else is in the batch: a draft position verified here gets
+bit for bit the logits the plain decode step would have given it, and greedy speculative
+decoding reproduces plain greedy decoding exactly.
 
 The build needs a C++ compiler and ninja; it takes ~1 minute once and is cached by torch
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). If it fails, the engine
@@ -31,6 +37,10 @@ __all__ = ["NativeDecoder", "load_extension"]
 log = logging.getLogger("loopstack.engine")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_layers.cpp"
 TENSORS_PER_LAYER = 13
+# a verification runs here (int4 for every row, as the decode steps it stands for) up to this many
+# rows, and drafts of up to MAX_VERIFY_QUERY - 1 tokens
+MAX_VERIFY_ROWS = 32
+MAX_VERIFY_QUERY = 33
 
 
 @functools.cache
@@ -41,7 +51,8 @@ def load_extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="loopstack_decode_layers_v2", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name="loopstack_decode_layers_v6", sources=[str(SOURCE)],
+                    extra_cflags=["-O2", "-march=native"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: the Python layers still work
         log.warning("native decode unavailable (%s: %s); decode steps use the Python layers",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -98,15 +109,21 @@ class NativeDecoder:
         return None  # it holds the original model's weights: a copied model takes the Python layers
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        return meta.num_tokens <= self.max_rows and (meta.max_query_len == 1 or meta.has_uniform_queries)
+        """A decode step of at most ``max_rows`` sequences, or a speculative verification (a few new
+        tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS`` in all)."""
+        if meta.max_query_len == 1:
+            return meta.num_tokens <= self.max_rows
+        return (meta.num_tokens <= MAX_VERIFY_ROWS and meta.max_query_len <= MAX_VERIFY_QUERY
+                and all(c > q for q, c in zip(meta.query_lens, meta.context_lens)))
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_slots: torch.Tensor,
             meta: AttentionMetadata, mask: torch.Tensor | None) -> torch.Tensor:
         """The residual stream after every decoder layer (``[B, hidden]``); writes the new K/V."""
         num_heads, num_kv_heads, head_dim = self._shape
         contiguous = meta.contiguous_first_block
+        row_context_lens = [c - q + 1 + j for q, c in zip(meta.query_lens, meta.context_lens) for j in range(q)]
         return self._ext.decode_layers(
-            hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, meta.context_lens[0],
-            -1 if contiguous is None else contiguous * meta.block_size, mask, self._weights,
-            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale, meta.max_query_len,
+            hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, row_context_lens,
+            -1 if contiguous is None else contiguous * meta.block_size, self._weights,
+            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale, list(meta.query_lens),
         )

@@ -240,7 +240,9 @@ class Int8RescoredHead(nn.Module):
             logits = approx.float()
             top_ids = logits.topk(self.num_exact, dim=-1, sorted=False).indices  # [M, k]
             top_weights = self.weight.index_select(0, top_ids.view(-1)).view(*top_ids.shape, -1)  # [M, k, H]
-            exact = torch.bmm(top_weights, rows[:, :, None]).squeeze(-1)  # [M, k]
+            # one matrix-vector product per row, not a bmm: a row's logits must not depend on how
+            # many rows share the call (speculative verification relies on it)
+            exact = torch.stack([torch.mv(top_weights[i], rows[i]) for i in range(num_rows)])  # [M, k]
             logits = logits.to(exact.dtype).scatter_(1, top_ids, exact)
         logits = logits.view(*x.shape[:-1], self.out_features)
         return logits if self.bias is None else logits + self.bias

@@ -1,0 +1,145 @@
+"""``loopstack bench --workload spec``: decode speed and acceptance, speculation off vs each proposer.
+
+One embedded engine (the default model, as ``loopstack serve`` builds it) serves every column in
+turn: ``off``, ``ngram``, ``suffix``. Each column
+decodes the same greedy requests (:mod:`.prompts`): the agent-shaped ones and open chat, at batch
+1 (one request at a time) and batch 8 (eight at once). Decode tokens/s counts only steps in which
+no request is prefilling, so prefill is not in it; the prefix cache is emptied before each group,
+so every column computes the same prompts the same way. Every output is compared token for token
+with the ``off`` column's (``identical``: the share that match).
+
+Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
+``k`` (num_speculative_tokens, 7), ``max_batch_size`` (the switch-off threshold, 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.plugins.spec_decode.bench.prompts import SpecPrompt, agent_prompts, chat_prompts
+
+__all__ = ["SpecWorkload"]
+
+COLUMNS = ("off", "ngram", "suffix")
+
+
+@dataclass
+class _Run:
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    outputs: list[list[int]] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class SpecWorkload(Workload):
+    name = "spec"
+    description = "decode tokens/s, acceptance, tokens per verify: speculation off vs ngram and suffix"
+    default_steps = 1
+
+    def __init__(self) -> None:
+        self._engine: Any = None
+        self._specs: dict[str, Any] = {}
+        self._groups: dict[str, list[list[int]]] = {}
+        self._reference: dict[str, list[list[int]]] = {}
+        self._off: dict[str, float] = {}
+        self._settings: dict[str, Any] = {}
+
+    def columns(self, stacks: list[Any]) -> list[str]:
+        return list(COLUMNS)
+
+    async def setup(self, columns: list[str], stacks: list[Any], options: BenchOptions) -> None:
+        from loopstack.engine.factory import build_engine
+        from loopstack.engine.llm_engine import EngineOptions
+        from loopstack.plugins.spec_decode.config import SpecDecodeConfig
+        from loopstack.plugins.spec_decode.plugin import build_spec
+
+        extra = options.extra
+        try:
+            settings = {
+                "max_tokens": int(extra.get("max_tokens", 48 if options.quick else 192)),
+                "per_kind": int(extra.get("per_kind", 1 if options.quick else 4)),
+                "chat": int(extra.get("chat", 2 if options.quick else 8)),
+                "k": int(extra.get("k", 7)),
+                "max_batch_size": int(extra.get("max_batch_size", 4)),
+            }
+        except ValueError as exc:
+            raise BenchOptionError(f"spec options: {exc}") from None
+        self._settings = settings
+        trajectories = options.data_dir / "trajectories"
+        if not trajectories.is_dir():
+            raise BenchOptionError(f"the spec bench needs {trajectories} (../shared/data); it is not there")
+        self._engine = await asyncio.to_thread(build_engine, options=EngineOptions(max_model_len=4096))
+        tokenizer = self._engine.tokenizer
+
+        def encode(prompts: list[SpecPrompt]) -> list[list[int]]:
+            return [tokenizer.encode(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True))
+                    for p in prompts]
+
+        agent = encode(agent_prompts(options.data_dir, per_kind=settings["per_kind"]))
+        chat = encode(chat_prompts(settings["chat"]))
+        self._groups = {"agent_b1": agent, "chat_b1": chat, "agent_b8": agent[:8], "chat_b8": chat[:8]}
+        common = {"num_speculative_tokens": settings["k"], "max_batch_size": settings["max_batch_size"]}
+        self._specs = {"off": None,
+                       "ngram": build_spec(SpecDecodeConfig(proposer="ngram", **common)),
+                       "suffix": build_spec(SpecDecodeConfig(proposer="suffix", **common))}
+
+    async def step(self, column: str, index: int) -> dict[str, float]:
+        return await asyncio.to_thread(self._measure, column)
+
+    def _measure(self, column: str) -> dict[str, float]:
+        engine, spec = self._engine, self._specs[column]
+        stats = engine.speculator.statistics
+        before = (stats.num_proposed, stats.num_accepted, stats.num_verifies, stats.num_emitted)
+        metrics: dict[str, float] = {}
+        same = total = 0
+        for group, prompts in self._groups.items():
+            batch = 8 if group.endswith("b8") else 1
+            run = self._run(prompts, spec, batch)
+            metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
+            if column == "off":
+                self._reference[group] = run.outputs or []
+                self._off[group] = run.tokens_per_s
+            elif self._off.get(group):
+                metrics[f"{group}_speedup"] = round(run.tokens_per_s / self._off[group], 3)
+            reference = self._reference.get(group)
+            if reference is not None and run.outputs is not None:
+                same += sum(a == b for a, b in zip(run.outputs, reference, strict=True))
+                total += len(reference)
+        proposed, accepted, verifies, emitted = (a - b for a, b in zip(
+            (stats.num_proposed, stats.num_accepted, stats.num_verifies, stats.num_emitted), before, strict=True))
+        metrics["acceptance"] = round(accepted / proposed, 3) if proposed else 0.0
+        metrics["tokens_per_verify"] = round(emitted / verifies, 3) if verifies else 0.0
+        metrics["identical"] = round(same / total, 3) if total else 1.0
+        return metrics
+
+    def _run(self, prompts: list[list[int]], spec: Any, batch: int) -> _Run:
+        from loopstack.engine.sampling_params import SamplingParams
+
+        engine = self._engine
+        params = SamplingParams(temperature=0.0, max_tokens=self._settings["max_tokens"])
+        run = _Run(outputs=[])
+        for start in range(0, len(prompts), batch):
+            engine.block_manager.reset_prefix_cache()
+            seqs = [engine.add_request(f"spec-{time.monotonic_ns()}-{i}", ids, params, speculation=spec)
+                    for i, ids in enumerate(prompts[start : start + batch])]
+            while any(not s.is_finished for s in seqs):
+                decoding = all(s.first_token_time is not None for s in seqs)
+                tokens = sum(len(s.output_token_ids) for s in seqs)
+                began = time.perf_counter()
+                engine.step()
+                if decoding:
+                    run.decode_s += time.perf_counter() - began
+                    run.decode_tokens += sum(len(s.output_token_ids) for s in seqs) - tokens
+            run.outputs.extend(s.output_token_ids for s in seqs)  # type: ignore[union-attr]
+        return run
+
+    def config(self) -> dict[str, Any]:
+        groups = {g: len(p) for g, p in self._groups.items()}
+        return {**self._settings, "groups": groups, "model": "smollm2-135m-instruct (embedded, as serve builds it)"}

