@@ -142,10 +142,12 @@ class AsyncEngine:
         request_id: str | None = None,
         salt: str = "",
         capture: HiddenCapture | None = None,
+        speculation: SpeculationSpec | None = None,
     ) -> GenerationResult:
         """Run one request to the end and return its tokens, text, usage (and captured hidden state)."""
         return await GenerationResult.collect(
-            self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture)
+            self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
+                        speculation=speculation)
         )
 
     def reset_prefix_cache(self) -> int:
