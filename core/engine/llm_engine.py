@@ -281,7 +281,7 @@ class LLMEngine:
         now = time.perf_counter()
         outputs = []
         if plain:
-            rows = logits[[r for _, r in plain]]
+            rows = logits if not drafted else logits[[r for _, r in plain]]
             seqs = [seq for seq, _ in plain]
             for i, seq in enumerate(seqs):
                 if seq.grammar is not None:

@@ -25,6 +25,7 @@ from loopstack.engine.acceptance import Verdict, verify
 from loopstack.engine.block_manager import BlockManager
 from loopstack.engine.scheduler import ScheduledChunk
 from loopstack.engine.seams.speculation import Proposal, Proposer, ProposerContext, SpeculationSpec
+from loopstack.engine.text.grammar import apply_bitmask
 
 if TYPE_CHECKING:
     from loopstack.engine.sequence import Sequence
@@ -172,7 +173,7 @@ class Speculator:
         draft = state.draft
         for row, mask in zip(logits, state.masks, strict=True):
             if mask is not None:
-                _apply_bitmask(row, mask)
+                apply_bitmask(row, mask)
         verdict = verify(logits, draft, seq.params, draft_probs=state.draft_probs, generator=seq.generator)
         base = seq.num_tokens  # the last token before the draft is computed now too
         kept = base + verdict.num_accepted
@@ -257,9 +258,3 @@ def _grammar_prefix(seq: Sequence, draft: list[int]) -> tuple[list[int], list[to
         masks.append(None if grammar.is_terminated else grammar.next_token_bitmask())
     grammar.rollback(len(kept))
     return kept, masks
-
-
-def _apply_bitmask(row: torch.Tensor, mask: torch.Tensor) -> None:
-    from loopstack.engine.text.grammar import apply_bitmask
-
-    apply_bitmask(row, mask)

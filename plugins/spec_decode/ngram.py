@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loopstack.engine.seams.speculation import Proposal, ProposerContext, SpeculatingSequence
-from loopstack.plugins.spec_decode.token_index import TokenIndex
+from loopstack.plugins.spec_decode.token_index import SequenceIndex
 
 __all__ = ["NgramOptions", "NgramProposer"]
 
@@ -25,7 +25,7 @@ class NgramProposer:
         self.options = options or NgramOptions()
         lengths = sorted({self.options.max_n, max(self.options.min_n, self.options.max_n // 2), self.options.min_n})
         self._lengths = tuple(lengths)
-        self._indexes: dict[str, tuple[TokenIndex, list[int]]] = {}  # index, [prompt, output] tokens read
+        self._indexes: dict[str, SequenceIndex] = {}
 
     def propose(self, seqs: Sequence[SpeculatingSequence], max_tokens: Sequence[int]) -> list[Proposal]:
         out = []
@@ -38,15 +38,9 @@ class NgramProposer:
     def finish(self, seq: SpeculatingSequence) -> None:
         self._indexes.pop(seq.request_id, None)
 
-    def _index(self, seq: SpeculatingSequence) -> TokenIndex:
-        entry = self._indexes.get(seq.request_id)
-        if entry is None:
-            entry = self._indexes[seq.request_id] = (TokenIndex(self._lengths, max_match=self.options.max_n), [0, 0])
-        index, read = entry
-        if read[0] < len(seq.prompt_token_ids):
-            index.extend(seq.prompt_token_ids[read[0] :])
-            read[0] = len(seq.prompt_token_ids)
-        if read[1] < len(seq.output_token_ids):
-            index.extend(seq.output_token_ids[read[1] :])
-            read[1] = len(seq.output_token_ids)
+    def _index(self, seq: SpeculatingSequence) -> SequenceIndex:
+        index = self._indexes.get(seq.request_id)
+        if index is None:
+            index = self._indexes[seq.request_id] = SequenceIndex(self._lengths, max_match=self.options.max_n)
+        index.catch_up(seq)
         return index

@@ -2,7 +2,7 @@
 match of the sequence's tail, in its own prompt and output and in the recent outputs of all
 requests.
 
-Each sequence gets a :class:`~loopstack.plugins.spec_decode.token_index.TokenIndex` over its
+Each sequence gets a :class:`~loopstack.plugins.spec_decode.token_index.SequenceIndex` over its
 prompt and output (updated with the tokens appended since its last proposal), and each tenant
 (cache salt: tenants never see each other's outputs) a global index over the outputs of its
 recently finished requests, bounded in tokens. Both are looked up; the candidate with more expected
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loopstack.engine.seams.speculation import Proposal, ProposerContext, SpeculatingSequence
-from loopstack.plugins.spec_decode.token_index import Continuation, TokenIndex
+from loopstack.plugins.spec_decode.token_index import Continuation, SequenceIndex, TokenIndex
 
 __all__ = ["SuffixOptions", "SuffixProposer"]
 
@@ -33,29 +33,12 @@ class SuffixOptions:
     global_tenants: int = 64  # tenants with a global index (least recently used dropped)
 
 
-class _Tracked:
-    """One sequence's own index and how much of the sequence it has read."""
-
-    def __init__(self, max_match: int) -> None:
-        self.index = TokenIndex(max_match=max_match)
-        self.num_prompt = 0
-        self.num_output = 0
-
-    def catch_up(self, seq: SpeculatingSequence) -> None:
-        if self.num_prompt < len(seq.prompt_token_ids):
-            self.index.extend(seq.prompt_token_ids[self.num_prompt :])
-            self.num_prompt = len(seq.prompt_token_ids)
-        if self.num_output < len(seq.output_token_ids):
-            self.index.extend(seq.output_token_ids[self.num_output :])
-            self.num_output = len(seq.output_token_ids)
-
-
 class SuffixProposer:
     """The ``suffix`` proposer (see the module docstring)."""
 
     def __init__(self, context: ProposerContext, options: SuffixOptions | None = None) -> None:
         self.options = options or SuffixOptions()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, SequenceIndex] = {}
         self._global: OrderedDict[str, TokenIndex] = OrderedDict()
 
     def propose(self, seqs: Sequence[SpeculatingSequence], max_tokens: Sequence[int]) -> list[Proposal]:
@@ -72,13 +55,13 @@ class SuffixProposer:
 
     def _draft(self, seq: SpeculatingSequence, limit: int) -> list[int]:
         options = self.options
-        tracked = self._tracked.get(seq.request_id)
-        if tracked is None:
-            tracked = self._tracked[seq.request_id] = _Tracked(options.max_match)
-        tracked.catch_up(seq)
-        context = tracked.index.tokens
+        own = self._tracked.get(seq.request_id)
+        if own is None:
+            own = self._tracked[seq.request_id] = SequenceIndex(max_match=options.max_match)
+        own.catch_up(seq)
+        context = own.tokens
         best = Continuation([], [])
-        sources = [tracked.index]
+        sources: list[TokenIndex] = [own]
         shared = self._global.get(seq.salt)
         if shared is not None:
             sources.append(shared)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Continuation", "Match", "TokenIndex"]
+from loopstack.engine.seams.speculation import SpeculatingSequence
+
+__all__ = ["Continuation", "Match", "SequenceIndex", "TokenIndex"]
 
 SEPARATOR = -1  # between documents of one stream: no match or continuation crosses it
 
@@ -132,3 +134,20 @@ class TokenIndex:
         self.tokens = []
         self._grams = {n: {} for n in self.gram_lengths}
         self.extend(tail)
+
+
+class SequenceIndex(TokenIndex):
+    """The index of one sequence's prompt then output, caught up with what it appended since."""
+
+    def __init__(self, gram_lengths: Sequence[int] = (8, 4, 2), *, max_match: int = 64) -> None:
+        super().__init__(gram_lengths, max_match=max_match)
+        self._num_prompt = 0
+        self._num_output = 0
+
+    def catch_up(self, seq: SpeculatingSequence) -> None:
+        if self._num_prompt < len(seq.prompt_token_ids):
+            self.extend(seq.prompt_token_ids[self._num_prompt :])
+            self._num_prompt = len(seq.prompt_token_ids)
+        if self._num_output < len(seq.output_token_ids):
+            self.extend(seq.output_token_ids[self._num_output :])
+            self._num_output = len(seq.output_token_ids)

@@ -224,12 +224,12 @@ class CausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rotary(positions, hidden.dtype)  # [T, H + 2 Hkv, D]
-        mask = build_attention_mask(meta, self.config.sliding_window, hidden.dtype)
         kv_slots = kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, Hkv, D]
         native = self.native_decoder
         if native is not None and not captures and native.applies(meta):
-            hidden = native.run(hidden, cos, sin, kv_slots, meta, mask)  # every layer, in C++
+            hidden = native.run(hidden, cos, sin, kv_slots, meta)  # every layer, in C++ (no mask: each row alone)
             return self._logits(hidden, meta, logits_indices)
+        mask = build_attention_mask(meta, self.config.sliding_window, hidden.dtype)
         contexts = contiguous_contexts(kv_slots, meta) if mask is None and meta.num_tokens == 1 else None
         layers = zip(self.layers, kv_slots, repeat(None) if contexts is None else contexts)
         if captures:  # prefill only: run up to each capture's layer, copy its rows, go on

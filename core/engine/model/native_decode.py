@@ -117,7 +117,7 @@ class NativeDecoder:
                 and all(c > q for q, c in zip(meta.query_lens, meta.context_lens)))
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_slots: torch.Tensor,
-            meta: AttentionMetadata, mask: torch.Tensor | None) -> torch.Tensor:
+            meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream after every decoder layer (``[B, hidden]``); writes the new K/V."""
         num_heads, num_kv_heads, head_dim = self._shape
         contiguous = meta.contiguous_first_block
