@@ -10,8 +10,12 @@ grammar, to the prefix the grammar allows (the masks of every position are taken
 the grammar rolled back: it advances only on accepted tokens). The forward computes the k+1
 positions of each draft next to everyone else's tokens; :mod:`loopstack.engine.acceptance` picks
 the tokens to keep; the rejected tokens' KV slots are truncated away. The cap k adapts per sequence:
-from its recent per-token acceptance rate, the k that maximises expected tokens per unit of
-verification cost (``1 + verify_cost_per_token * k`` single-token forwards).
+from its recent per-token acceptance rate, the k that maximises expected tokens per unit of cost,
+where a draft token's cost is its share of the step: a step of ``n`` tokens costs about
+``1 + row_cost * n`` (``row_cost`` measured), so at batch ``B`` one more row costs the sequence
+``row_cost * B / (1 + row_cost * B)`` of its plain step. A sequence whose best k is not worth it
+(fewer expected tokens than the cost) drafts nothing that step: speculation fades out as the
+batch grows, before ``max_batch_size`` cuts it off.
 """
 
 from __future__ import annotations
@@ -30,22 +34,29 @@ from loopstack.engine.text.grammar import apply_bitmask
 if TYPE_CHECKING:
     from loopstack.engine.sequence import Sequence
 
-__all__ = ["SequenceSpeculation", "SpeculationStatistics", "Speculator", "best_k"]
+__all__ = ["SequenceSpeculation", "SpeculationStatistics", "Speculator", "best_k", "draft_token_cost", "gain"]
 
-# measured on 2 Xeon cores, SmolLM2-135M int4 (the native decode path): a step verifying k draft
-# tokens of one sequence costs about 1 + 0.3 k plain decode steps (k = 1: 1.4, 3: 1.9, 7: 3.0)
-DEFAULT_VERIFY_COST_PER_TOKEN = 0.3
+# measured on 2 Xeon cores, SmolLM2-135M int4 (the native decode path): a step of n rows takes about
+# 7.7 + 3.2 n ms (1 row 10.9, 2: 15.2, 4: 20.4, 8: 33.4), i.e. 1 + 0.42 n in units of its fixed part
+DEFAULT_ROW_COST = 0.42
 DECAY = 0.7  # weight of history in the per-sequence acceptance estimate
 
 
-def best_k(alpha: float, max_k: int, cost_per_token: float) -> int:
-    """The draft length with the most expected tokens per unit of cost, for a per-token acceptance
-    rate ``alpha``: ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens for ``1 + cost_per_token * k``."""
-    def gain(k: int) -> float:
-        expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        return expected / (1 + cost_per_token * k)
+def gain(alpha: float, k: int, cost_per_token: float) -> float:
+    """Expected tokens per unit of cost of a k-token draft at per-token acceptance ``alpha``:
+    ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens for ``1 + cost_per_token * k`` (plain decoding: 1)."""
+    expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (1 + cost_per_token * k)
 
-    return max(range(1, max_k + 1), key=gain)
+
+def best_k(alpha: float, max_k: int, cost_per_token: float) -> int:
+    """The draft length (1..max_k) with the most expected tokens per unit of cost."""
+    return max(range(1, max_k + 1), key=lambda k: gain(alpha, k, cost_per_token))
+
+
+def draft_token_cost(num_rows: int, row_cost: float = DEFAULT_ROW_COST) -> float:
+    """What one more row costs a sequence in a step of ``num_rows`` rows, as a share of its plain step."""
+    return row_cost * num_rows / (1 + row_cost * num_rows)
 
 
 @dataclass
@@ -64,6 +75,11 @@ class SequenceSpeculation:
     def acceptance_rate(self) -> float:
         """Per-token acceptance estimate (a Beta(1, 1) prior on the decayed counts)."""
         return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+    def fade(self) -> None:
+        """Decay the evidence without adding any (a step that did not draft)."""
+        self.accepted *= DECAY
+        self.rejected *= DECAY
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.accepted = self.accepted * DECAY + num_accepted
@@ -99,11 +115,11 @@ class Speculator:
     """The engine's speculative decoding: proposers by key, drafting, verification. Engine thread only."""
 
     def __init__(self, context: ProposerContext, block_manager: BlockManager, max_model_len: int,
-                 *, verify_cost_per_token: float = DEFAULT_VERIFY_COST_PER_TOKEN) -> None:
+                 *, row_cost: float = DEFAULT_ROW_COST) -> None:
         self.context = context
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.verify_cost_per_token = verify_cost_per_token
+        self.row_cost = row_cost
         self.proposers: dict[str, Proposer] = {}
         self.statistics = SpeculationStatistics()
         self._num_speculating = 0
@@ -148,14 +164,16 @@ class Speculator:
         self._was_on = bool(on)
         if not on:
             return chunks
-        budget = token_budget - sum(c.end - c.start for c in chunks)
+        num_rows = sum(c.end - c.start for c in chunks)
+        budget = token_budget - num_rows
+        cost = draft_token_cost(num_rows, self.row_cost)
         by_proposer: dict[int, list[int]] = {}
         for i in on:
             by_proposer.setdefault(id(chunks[i].seq.speculation.proposer), []).append(i)  # type: ignore[union-attr]
         planned = list(chunks)
         for indices in by_proposer.values():
             seqs = [chunks[i].seq for i in indices]
-            limits = [self._limit(seq) for seq in seqs]
+            limits = [self.draft_limit(seq, cost) for seq in seqs]
             proposer = seqs[0].speculation.proposer  # type: ignore[union-attr]
             proposals = proposer.propose(seqs, limits)
             for i, seq, limit, proposal in zip(indices, seqs, limits, proposals, strict=True):
@@ -199,14 +217,19 @@ class Speculator:
         seq = chunk.seq
         return seq.speculation is not None and chunk.samples and chunk.end - chunk.start == 1
 
-    def _limit(self, seq: Sequence) -> int:
-        """The most draft tokens worth verifying for ``seq`` now."""
+    def draft_limit(self, seq: Sequence, cost: float) -> int:
+        """The most draft tokens worth verifying for ``seq`` now (``cost``: of one draft token, as a
+        share of its plain step). A sequence that has not verified yet drafts anyway, to learn."""
         state = seq.speculation
         assert state is not None
         spec = state.spec
         k = spec.num_speculative_tokens
         if spec.adaptive:
-            k = best_k(state.acceptance_rate, k, self.verify_cost_per_token)
+            alpha = state.acceptance_rate
+            k = best_k(alpha, k, cost)
+            if state.accepted + state.rejected > 0 and gain(alpha, k, cost) <= 1.0:
+                state.fade()  # not worth it now; the evidence fades, so it is tried again later
+                return 0
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
 

@@ -12,7 +12,7 @@ import torch
 from loopstack.engine.acceptance import verify
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.speculation import Proposal, SpeculationSpec
-from loopstack.engine.speculator import best_k
+from loopstack.engine.speculator import best_k, draft_token_cost, gain
 from loopstack.plugins.spec_decode.config import SpecDecodeConfig
 from loopstack.plugins.spec_decode.plugin import build_spec
 from tests.engine.support import PROMPTS, make_engine
@@ -173,3 +173,34 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_target_token()
 
 def test_adaptive_k_drafts_longer_when_drafts_are_accepted():
     assert best_k(0.95, 8, 0.3) > best_k(0.6, 8, 0.3) >= best_k(0.2, 8, 0.3) == 1
+
+
+def test_drafting_fades_out_as_the_batch_grows():
+    assert draft_token_cost(1) < draft_token_cost(4) < draft_token_cost(64) < 1
+    alpha = 0.6
+    alone, crowded = draft_token_cost(1), draft_token_cost(16)
+    assert gain(alpha, best_k(alpha, 7, alone), alone) > 1 > gain(alpha, best_k(alpha, 7, crowded), crowded)
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting_in_a_big_step_and_tries_again_later():
+    class Wrong:
+        def __init__(self, context):
+            pass
+
+        def propose(self, seqs, limits):
+            return [Proposal([(s.output_token_ids[-1] + 1) % 256] * k) for s, k in zip(seqs, limits)]
+
+        def finish(self, seq):
+            pass
+
+    engine = make_engine()
+    seq = engine.add_request("w", PROMPTS[2], GREEDY, speculation=SpeculationSpec(Wrong, "wrong", max_batch_size=8))
+    engine.step()
+    for _ in range(3):  # learns that its drafts fail
+        engine.step()
+    state = seq.speculation
+    assert state.acceptance_rate < 0.5  # below the prior: it has seen its drafts fail
+    assert engine.speculator.draft_limit(seq, draft_token_cost(8)) == 0  # not worth it in a step of 8 rows
+    for _ in range(10):
+        engine.speculator.draft_limit(seq, draft_token_cost(8))
+    assert engine.speculator.draft_limit(seq, draft_token_cost(1)) > 0  # the evidence faded: tried again
