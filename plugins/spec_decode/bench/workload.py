@@ -5,7 +5,9 @@ turn: ``off``, ``ngram``, ``suffix``. Each column
 decodes the same greedy requests (:mod:`.prompts`): the agent-shaped ones and open chat, at batch
 1 (one request at a time) and batch 8 (eight at once). Decode tokens/s counts only steps in which
 no request is prefilling, so prefill is not in it; the prefix cache is emptied before each group,
-so every column computes the same prompts the same way. Every output is compared token for token
+so every column computes the same prompts the same way, and the proposers start empty, so the
+suffix global index only knows outputs of earlier requests of the same group (the ``recurring``
+sessions), never an earlier run of the same request. Every output is compared token for token
 with the ``off`` column's (``identical``: the share that match).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
@@ -101,6 +103,9 @@ class SpecWorkload(Workload):
         same = total = 0
         for group, prompts in self._groups.items():
             batch = 8 if group.endswith("b8") else 1
+            # a fresh proposer per group: the suffix global index must not remember this very request
+            # from an earlier group or round (the groups share prompts, and greedy outputs repeat)
+            engine.speculator.proposers.clear()
             run = self._run(prompts, spec, batch)
             metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
             if column == "off":
