@@ -100,7 +100,8 @@ class HookFacade:
         self.caller("loopstack_router_started")(router=router)
 
     def proposer(self, ctx: RequestContext) -> SpeculationSpec | None:
-        return self.caller("loopstack_proposer")(ctx=ctx)
+        spec: SpeculationSpec | None = self.caller("loopstack_proposer")(ctx=ctx)
+        return spec
 
     def topology(self, engine_config: Any) -> Any | None:
         return self.caller("loopstack_topology")(engine_config=engine_config)
