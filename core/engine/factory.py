@@ -55,6 +55,7 @@ def build_engine(
     num_threads: int | None = None,
     native_decode: bool = True,
     event_bus: KVEventBus | None = None,
+    num_layers: int | None = None,
 ) -> LLMEngine:
     """Load ``model`` and its tokenizer and wrap them in an LLMEngine.
 
@@ -67,15 +68,19 @@ def build_engine(
         num_threads: torch CPU threads for this process; None leaves torch's setting.
         native_decode: run decode steps' layer loop in C++ where it applies (CPU, int4).
         event_bus: receives the engine's KV cache events.
+        num_layers: keep only the first ``num_layers`` decoder layers (a layer-truncated
+            draft; see :meth:`~loopstack.engine.model.llama.CausalLM.truncate_layers`).
 
     Raises:
         ModelNotFoundError, UnsupportedArchitectureError: from loading; ValueError: a bad
-        ``quantization`` for the device.
+        ``quantization`` for the device or ``num_layers`` out of range.
     """
     _check_quantization(quantization)  # before seconds of loading
     if num_threads:
         torch.set_num_threads(num_threads)
     loaded = load_model(model, device=device, dtype=dtype)
+    if num_layers is not None:
+        loaded.model.truncate_layers(num_layers)
     resolved = resolve_quantization(quantization, loaded.model.device)
     if resolved != "none":
         # the float32 head was the largest read of a decode step; rescored int8 keeps its top logits exact

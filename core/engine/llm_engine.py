@@ -17,7 +17,7 @@ from loopstack.engine.block_manager import BlockManager
 from loopstack.engine.capture import CaptureAccumulator, HiddenCapture, check_capture
 from loopstack.engine.errors import EngineError
 from loopstack.engine.model.llama import CausalLM
-from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token
+from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token, weight_bytes
 from loopstack.engine.sampler import sample, token_logprobs
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.scheduler import ScheduledChunk, Scheduler
@@ -111,7 +111,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
         self.speculator = Speculator(
-            ProposerContext(model.config.vocab_size, tuple(tokenizer.eos_token_ids), model.device, tokenizer),
+            ProposerContext(model.config.vocab_size, tuple(tokenizer.eos_token_ids), model.device, tokenizer,
+                            weight_bytes(model)),
             self.block_manager, self.max_model_len,
         )
         self._grammar: GrammarBackend | None = None

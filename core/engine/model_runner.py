@@ -12,12 +12,21 @@ from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.scheduler import ScheduledChunk
 
-__all__ = ["ModelRunner", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "kv_bytes_per_token", "weight_bytes"]
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:
     c = model.config
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of ``model``'s weights as stored (parameters and buffers: quantized weights are
+    buffers), but the embedding table, of which a step reads only its tokens' rows: about what
+    one decode step reads, so two models' ratio is about their decode steps' (memory-bound) ratio."""
+    embedding = model.embed_tokens.weight.data_ptr()
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for ptr, t in tensors.items() if ptr != embedding)
 
 
 class ModelRunner:
@@ -41,7 +50,7 @@ class ModelRunner:
         chunks = [c for c in chunks if c.end > c.start]
         if not chunks:
             return None
-        meta, input_ids = self._metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
+        meta, input_ids = self.metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
         rows = [int(ends[i]) + j - len(c.draft) for i, c in enumerate(chunks) if c.samples
                 for j in range(len(c.draft) + 1)]
@@ -65,7 +74,9 @@ class ModelRunner:
         batch.deliver()
         return logits if any(c.samples for c in chunks) else None
 
-    def _metadata(self, items: list[tuple[str, Seq[int], int, int]]) -> tuple[AttentionMetadata, torch.Tensor]:
+    def metadata(self, items: list[tuple[str, Seq[int], int, int]]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Attention metadata and input ids of a batch: ``(seq_id, tokens, start, end)`` per sequence
+        (its ``tokens[start:end]`` run; their slots reserved in the block manager)."""
         bm = self.block_manager
         meta = AttentionMetadata.build(
             query_lens=[end - start for _, _, start, end in items],

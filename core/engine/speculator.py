@@ -28,7 +28,7 @@ import torch
 from loopstack.engine.acceptance import Verdict, verify
 from loopstack.engine.block_manager import BlockManager
 from loopstack.engine.scheduler import ScheduledChunk
-from loopstack.engine.seams.speculation import Proposal, Proposer, ProposerContext, SpeculationSpec
+from loopstack.engine.seams.speculation import Proposal, Proposer, ProposerContext, SpeculationSpec, proposer_cost
 from loopstack.engine.text.grammar import apply_bitmask
 
 if TYPE_CHECKING:
@@ -173,8 +173,8 @@ class Speculator:
         planned = list(chunks)
         for indices in by_proposer.values():
             seqs = [chunks[i].seq for i in indices]
-            limits = [self.draft_limit(seq, cost) for seq in seqs]
             proposer = seqs[0].speculation.proposer  # type: ignore[union-attr]
+            limits = [self.draft_limit(seq, cost + proposer_cost(proposer)) for seq in seqs]
             proposals = proposer.propose(seqs, limits)
             for i, seq, limit, proposal in zip(indices, seqs, limits, proposals, strict=True):
                 draft = self._fit(seq, proposal, min(limit, max(budget, 0)))

@@ -12,9 +12,9 @@ __all__ = ["SpecDecodeConfig"]
 
 
 class SpecDecodeConfig(PluginConfig):
-    proposer: Literal["suffix", "ngram"] = Field(
-        "ngram", description="where draft tokens come from: ngram (prompt lookup; the faster one measured here) or "
-        "suffix (SuffixDecoding); a draft model is not built yet")
+    proposer: Literal["suffix", "ngram", "draft_model"] = Field(
+        "ngram", description="where draft tokens come from: ngram (prompt lookup; the faster one measured here), "
+        "suffix (SuffixDecoding) or draft_model (a smaller model with the target's tokenizer)")
     num_speculative_tokens: int = Field(7, ge=1, le=32, description="the most draft tokens verified per step (k)")
     adaptive: bool = Field(True, description="adapt k per sequence to its recent acceptance")
     max_batch_size: int = Field(
@@ -28,6 +28,19 @@ class SpecDecodeConfig(PluginConfig):
     # ngram
     min_n: int = Field(2, ge=1, le=64, description="ngram: the shortest tail matched")
     max_n: int = Field(8, ge=1, le=64, description="ngram: the longest tail matched")
+
+    # draft_model
+    draft_model: str = Field(
+        "smollm2-135m-instruct", description="draft_model: a built-in name, a .gguf file or a Hugging Face "
+        "directory; it must share the target's tokenizer")
+    draft_layers: int | None = Field(
+        None, ge=1, description="draft_model: keep only its first N layers (a layer-truncated draft); unset: all")
+    draft_quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="draft_model: as engine.quantization (int4 on CPU, none on GPU)")
+    draft_kv_blocks: int = Field(1024, ge=2, description="draft_model: blocks of the draft's own KV cache")
+    draft_cost: float | None = Field(
+        None, gt=0, description="draft_model: one draft token's cost as a share of the target's decode step, "
+        "for adaptive k; unset: the ratio of the two models' weight bytes")
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:

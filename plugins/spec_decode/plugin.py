@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 
 from loopstack.context import RequestContext
-from loopstack.engine.seams.speculation import SpeculationSpec
+from loopstack.engine.seams.speculation import ProposerFactory, SpeculationSpec
 from loopstack.hookspecs import hookimpl
 from loopstack.plugin import Layer, Plugin
 from loopstack.plugins.spec_decode.config import SpecDecodeConfig
+from loopstack.plugins.spec_decode.draft_model import DraftModelOptions, DraftModelProposer
 from loopstack.plugins.spec_decode.ngram import NgramOptions, NgramProposer
 from loopstack.plugins.spec_decode.suffix import SuffixOptions, SuffixProposer
 
@@ -23,7 +24,14 @@ __all__ = ["SpecDecode", "build_spec"]
 
 def build_spec(config: SpecDecodeConfig) -> SpeculationSpec:
     """The engine-side spec of ``config`` (plain data: it pickles to replica processes)."""
-    if config.proposer == "suffix":
+    options: DraftModelOptions | SuffixOptions | NgramOptions
+    factory: ProposerFactory
+    if config.proposer == "draft_model":
+        options = DraftModelOptions(model=config.draft_model, num_layers=config.draft_layers,
+                                    quantization=config.draft_quantization, num_kv_blocks=config.draft_kv_blocks,
+                                    cost_per_token=config.draft_cost)
+        factory = functools.partial(DraftModelProposer, options=options)
+    elif config.proposer == "suffix":
         options = SuffixOptions(max_match=config.max_match, spec_factor=config.spec_factor,
                                 min_prob=config.min_prob, global_tokens=config.global_tokens)
         factory = functools.partial(SuffixProposer, options=options)
@@ -39,7 +47,7 @@ class SpecDecode(Plugin):
     name = "spec_decode"
     layers = (Layer.INFERENCE,)
     Config = SpecDecodeConfig
-    summary = "Draft tokens cheaply (suffix index or n-gram lookup), verify them all in the step's one forward."
+    summary = "Draft tokens (suffix index, n-gram lookup or a draft model), verify them all in the step's one forward."
 
     config: SpecDecodeConfig
 

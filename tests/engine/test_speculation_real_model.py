@@ -46,9 +46,19 @@ def run(engine, batch, spec, tag):
     return [s.output_token_ids for s in seqs]
 
 
-@pytest.mark.parametrize("proposer", ["suffix", "ngram"])
+CONFIGS = {
+    "suffix": SpecDecodeConfig(proposer="suffix"),
+    "ngram": SpecDecodeConfig(proposer="ngram"),
+    # adaptive k would switch these off (a draft as costly as the target never pays): forced on here
+    "draft_model": SpecDecodeConfig(proposer="draft_model", adaptive=False, num_speculative_tokens=4),
+    "draft_model_truncated": SpecDecodeConfig(proposer="draft_model", draft_layers=6, adaptive=False,
+                                              num_speculative_tokens=3),
+}
+
+
+@pytest.mark.parametrize("proposer", list(CONFIGS))
 def test_greedy_output_is_identical_at_batch_one_and_in_mixed_batches(engine, proposer):
-    spec = build_spec(SpecDecodeConfig(proposer=proposer))
+    spec = build_spec(CONFIGS[proposer])
     batch = prompts(engine)
     plain = [run(engine, [ids], lambda i: None, f"plain-{n}")[0] for n, ids in enumerate(batch)]
     alone = [run(engine, [ids], lambda i: spec, f"{proposer}-{n}")[0] for n, ids in enumerate(batch)]
@@ -58,3 +68,6 @@ def test_greedy_output_is_identical_at_batch_one_and_in_mixed_batches(engine, pr
     assert mixed == plain[:3]
     assert engine.speculator.statistics.num_accepted > 0
     assert engine.block_manager.statistics().num_used_blocks == 0
+    draft = getattr(engine.speculator.proposers[spec.key], "block_manager", None)
+    if draft is not None:  # the draft model's own cache is back to its start too
+        assert draft.statistics().num_used_blocks == 0 and draft.statistics().num_sequences == 0

@@ -7,6 +7,8 @@ before the weights reach this module.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice, repeat
@@ -179,6 +181,19 @@ class CausalLM(nn.Module):
             model = cls(config)
         model.inv_freq = rope_inv_freq(config)
         return model.to(dtype).to_empty(device=device).eval()
+
+    def truncate_layers(self, num_layers: int) -> None:
+        """Keep only the first ``num_layers`` decoder layers (a layer-truncated draft of this
+        model: the final norm and the output projection stay). Call before building a
+        :class:`NativeDecoder`, which takes the layers it finds.
+
+        Raises:
+            ValueError: ``num_layers`` not in ``[1, config.num_layers]``.
+        """
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}], got {num_layers}")
+        self.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        self.config = dataclasses.replace(self.config, num_layers=num_layers)
 
     @property
     def device(self) -> torch.device:

@@ -19,7 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Proposal", "Proposer", "ProposerContext", "ProposerFactory", "SpeculatingSequence", "SpeculationSpec"]
+from loopstack.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "Proposal", "Proposer", "ProposerContext", "ProposerFactory", "SpeculatingSequence", "SpeculationSpec",
+    "proposer_cost",
+]
 
 
 class SpeculatingSequence(Protocol):
@@ -30,6 +35,7 @@ class SpeculatingSequence(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     salt: str
+    params: SamplingParams  # a sampling draft model draws from the target's temperature, top-k, top-p
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class ProposerContext:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     tokenizer: Any  # the target's tokenizer (a draft model must share it)
+    target_weight_bytes: int = 0  # what the target reads per decode step (model_runner.weight_bytes)
 
 
 @runtime_checkable
@@ -67,6 +74,13 @@ class Proposer(Protocol):
     def finish(self, seq: SpeculatingSequence) -> None:
         """``seq`` ended (finished, aborted or preempted): free what is held for it, learn from its output."""
         ...
+
+
+def proposer_cost(proposer: Proposer) -> float:
+    """What proposing one draft token costs, as a share of the target's plain decode step: a
+    proposer's optional ``cost_per_token`` attribute (a draft model's forward), 0 without one
+    (model-free proposers: a lookup is free next to a forward). Adaptive k weighs it."""
+    return float(getattr(proposer, "cost_per_token", 0.0))
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]
