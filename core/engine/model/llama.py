@@ -8,7 +8,6 @@ before the weights reach this module.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice, repeat
