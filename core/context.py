@@ -9,7 +9,7 @@ and records metrics labelled by plugin and arm.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -126,10 +126,13 @@ class RequestContext:
         pairs = list(self._combination.plugin_arms.items())
         return pairs or [("kernel", DEFAULT_ARM)]
 
-    def observe(self, metric: str, value: float, help: str = "", **labels: Any) -> None:
+    def observe(self, metric: str, value: float, help: str = "", *, buckets: Sequence[float] | None = None,
+                **labels: Any) -> None:
         """Record ``value`` in histogram ``metric`` once per experiment this request is
-        in (labels plugin and arm), or under plugin="kernel" when it is in none."""
-        histogram = self.runtime.metrics.histogram(metric, help or metric, tuple(labels))
+        in (labels plugin and arm), or under plugin="kernel" when it is in none. ``buckets``:
+        the histogram's upper bounds when this call creates it (default: latency seconds)."""
+        histogram = self.runtime.metrics.histogram(metric, help or metric, tuple(labels),
+                                                   **({"buckets": buckets} if buckets is not None else {}))
         for plugin, arm in self._label_sets():
             histogram.observe(value, plugin=plugin, arm=arm, **labels)
 

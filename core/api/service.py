@@ -30,6 +30,7 @@ from loopstack.api.errors import APIError
 from loopstack.api.generation import EngineClient, generation_inputs
 from loopstack.api.ids import new_id
 from loopstack.api.response_builder import ResponseBuilder, usage_of
+from loopstack.api.decoding_metrics import record_decoding
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.store import ResponseStore, StoredResponse, StoreError
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
@@ -269,6 +270,8 @@ class ResponsesService:
             for event in events:
                 yield event
             return
+        if ctx is not None:
+            record_decoding(ctx, last.usage.completion_tokens, last.usage.forwards, last.usage.speculation)
         usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens)
         events, _ = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
         for event in events:  # stored by the pipeline, once every middleware has let it through

@@ -24,7 +24,7 @@ from loopstack.engine.scheduler import ScheduledChunk, Scheduler
 from loopstack.engine.seams.kv_events import KVEventBus
 from loopstack.engine.seams.speculation import ProposerContext, SpeculationSpec
 from loopstack.engine.sequence import FinishReason, Sequence, StopChecker
-from loopstack.engine.speculator import Speculator
+from loopstack.engine.speculator import SpeculationStatistics, Speculator
 from loopstack.engine.text.grammar import GrammarBackend
 from loopstack.engine.text.tokenizer import Tokenizer
 
@@ -57,6 +57,8 @@ class Usage:
     cached_prompt_tokens: int
     completion_tokens: int
     time_to_first_token_s: float | None
+    speculation: SpeculationStatistics | None = None  # a speculating request's, on its last output
+    forwards: int | None = None  # target forwards that appended its tokens (one per token unless it speculates)
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,7 @@ class LLMEngine:
         drafted: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
         for chunk in chunks:
+            chunk.seq.num_sampling_forwards += 1
             if chunk.draft:
                 drafted.append((chunk.seq, logits[row : row + len(chunk.draft) + 1]))
             else:
@@ -359,7 +362,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
-        usage = Usage(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens, len(seq.output_token_ids), ttft)
+        usage = Usage(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens, len(seq.output_token_ids), ttft,
+                      seq.speculation_statistics if seq.is_finished else None, seq.num_sampling_forwards)
         hidden_state = seq.capture.take_result() if seq.capture is not None else None
         return RequestOutput(
             seq.request_id, tokens, text, seq.is_finished, seq.finish_reason, usage, seq.error, logprobs, hidden_state

@@ -16,7 +16,7 @@ from loopstack.engine.text.tokenizer import IncrementalDecoder
 
 if TYPE_CHECKING:
     from loopstack.engine.seams.speculation import SpeculationSpec
-    from loopstack.engine.speculator import SequenceSpeculation
+    from loopstack.engine.speculator import SequenceSpeculation, SpeculationStatistics
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus", "StopChecker"]
 
@@ -89,6 +89,8 @@ class Sequence:
     capture: CaptureAccumulator | None = None  # a hidden-state capture asked for (see loopstack.engine.capture)
     speculation_spec: SpeculationSpec | None = None  # asked for speculative decoding
     speculation: SequenceSpeculation | None = None  # its state while it runs (see loopstack.engine.speculator)
+    speculation_statistics: SpeculationStatistics | None = None  # what its speculation did, once it ended
+    num_sampling_forwards: int = 0  # forwards that appended tokens to it (sampled one, or verified a draft)
 
     @property
     def token_ids(self) -> list[int]:

@@ -60,33 +60,6 @@ def draft_token_cost(num_rows: int, row_cost: float = DEFAULT_ROW_COST) -> float
 
 
 @dataclass
-class SequenceSpeculation:
-    """One sequence's speculation: its spec and proposer, its acceptance estimate, this step's draft."""
-
-    spec: SpeculationSpec
-    proposer: Proposer
-    accepted: float = 0.0  # decayed counts of accepted drafts and of rejections
-    rejected: float = 0.0
-    draft: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
-    masks: list[torch.Tensor | None] = field(default_factory=list)  # grammar bitmask per verified row
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Per-token acceptance estimate (a Beta(1, 1) prior on the decayed counts)."""
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
-
-    def fade(self) -> None:
-        """Decay the evidence without adding any (a step that did not draft)."""
-        self.accepted *= DECAY
-        self.rejected *= DECAY
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.rejected = self.rejected * DECAY + (1.0 if num_accepted < num_drafted else 0.0)
-
-
-@dataclass
 class SpeculationStatistics:
     num_proposed: int = 0  # draft tokens verified
     num_accepted: int = 0
@@ -95,6 +68,15 @@ class SpeculationStatistics:
     num_off_steps: int = 0  # steps that skipped speculation for the batch size
     num_switched_off: int = 0  # times speculation went from on to off for the batch size
     acceptance_lengths: list[int] = field(default_factory=list)  # histogram: verifies by accepted count
+
+    def record_verify(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_proposed += num_drafted
+        self.num_accepted += num_accepted
+        self.num_verifies += 1
+        self.num_emitted += num_emitted
+        if len(self.acceptance_lengths) <= num_accepted:
+            self.acceptance_lengths.extend([0] * (num_accepted + 1 - len(self.acceptance_lengths)))
+        self.acceptance_lengths[num_accepted] += 1
 
     @property
     def tokens_per_forward(self) -> float:
@@ -109,6 +91,34 @@ class SpeculationStatistics:
             "off_steps": self.num_off_steps, "switched_off": self.num_switched_off,
             "acceptance_lengths": list(self.acceptance_lengths),
         }
+
+
+@dataclass
+class SequenceSpeculation:
+    """One sequence's speculation: its spec and proposer, its acceptance estimate, this step's draft."""
+
+    spec: SpeculationSpec
+    proposer: Proposer
+    accepted: float = 0.0  # decayed counts of accepted drafts and of rejections
+    rejected: float = 0.0
+    draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    masks: list[torch.Tensor | None] = field(default_factory=list)  # grammar bitmask per verified row
+    statistics: SpeculationStatistics = field(default_factory=SpeculationStatistics)  # this sequence's
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-token acceptance estimate (a Beta(1, 1) prior on the decayed counts)."""
+        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+    def fade(self) -> None:
+        """Decay the evidence without adding any (a step that did not draft)."""
+        self.accepted *= DECAY
+        self.rejected *= DECAY
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.rejected = self.rejected * DECAY + (1.0 if num_accepted < num_drafted else 0.0)
 
 
 class Speculator:
@@ -141,6 +151,7 @@ class Speculator:
         if state is None:
             return
         seq.speculation = None
+        seq.speculation_statistics = state.statistics  # what it did, for its last output's usage
         self._num_speculating -= 1
         state.proposer.finish(seq)
 
@@ -161,6 +172,8 @@ class Speculator:
             self.statistics.num_off_steps += 1
             if self._was_on:
                 self.statistics.num_switched_off += 1
+            for i in candidates:
+                chunks[i].seq.speculation.statistics.num_off_steps += 1  # type: ignore[union-attr]
         self._was_on = bool(on)
         if not on:
             return chunks
@@ -199,14 +212,8 @@ class Speculator:
         seq.num_computed_tokens = kept
         self.block_manager.mark_computed(seq.request_id, seq.token_ids + draft[: verdict.num_accepted])
         state.record(len(draft), verdict.num_accepted)
-        stats = self.statistics
-        stats.num_proposed += len(draft)
-        stats.num_accepted += verdict.num_accepted
-        stats.num_verifies += 1
-        stats.num_emitted += len(verdict.token_ids)
-        if len(stats.acceptance_lengths) <= verdict.num_accepted:
-            stats.acceptance_lengths.extend([0] * (verdict.num_accepted + 1 - len(stats.acceptance_lengths)))
-        stats.acceptance_lengths[verdict.num_accepted] += 1
+        for stats in (self.statistics, state.statistics):
+            stats.record_verify(len(draft), verdict.num_accepted, len(verdict.token_ids))
         state.draft, state.draft_probs, state.masks = [], None, []
         return verdict
 

@@ -1,7 +1,9 @@
 """``loopstack bench --workload spec``: decode speed and acceptance, speculation off vs each proposer.
 
 One embedded engine (the default model, as ``loopstack serve`` builds it) serves every column in
-turn: ``off``, ``ngram``, ``suffix``. Each column
+turn: ``off``, ``ngram``, ``suffix``, ``draft_model`` (the default model cut to its first
+``draft_layers`` layers, drafting ``draft_k`` tokens with adaptive k off, so its raw cost and
+acceptance show; with it on, the draft switches itself off here). Each column
 decodes the same greedy requests (:mod:`.prompts`): the agent-shaped ones and open chat, at batch
 1 (one request at a time) and batch 8 (eight at once). Decode tokens/s counts only steps in which
 no request is prefilling, so prefill is not in it; the prefix cache is emptied before each group,
@@ -11,7 +13,8 @@ sessions), never an earlier run of the same request. Every output is compared to
 with the ``off`` column's (``identical``: the share that match).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
-``k`` (num_speculative_tokens, 7), ``max_batch_size`` (the switch-off threshold, 4).
+``k`` (num_speculative_tokens, 7), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
+(8; 0 for the whole model, the target as its own draft), ``draft_k`` (3).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from loopstack.plugins.spec_decode.bench.prompts import SpecPrompt, agent_prompt
 
 __all__ = ["SpecWorkload"]
 
-COLUMNS = ("off", "ngram", "suffix")
+COLUMNS = ("off", "ngram", "suffix", "draft_model")
 
 
 @dataclass
@@ -42,7 +45,7 @@ class _Run:
 
 class SpecWorkload(Workload):
     name = "spec"
-    description = "decode tokens/s, acceptance, tokens per verify: speculation off vs ngram and suffix"
+    description = "decode tokens/s, acceptance, tokens per verify: speculation off vs ngram, suffix and a draft model"
     default_steps = 1
 
     def __init__(self) -> None:
@@ -70,6 +73,8 @@ class SpecWorkload(Workload):
                 "chat": int(extra.get("chat", 2 if options.quick else 8)),
                 "k": int(extra.get("k", 7)),
                 "max_batch_size": int(extra.get("max_batch_size", 4)),
+                "draft_layers": int(extra.get("draft_layers", 8)),
+                "draft_k": int(extra.get("draft_k", 3)),
             }
         except ValueError as exc:
             raise BenchOptionError(f"spec options: {exc}") from None
@@ -90,7 +95,10 @@ class SpecWorkload(Workload):
         common = {"num_speculative_tokens": settings["k"], "max_batch_size": settings["max_batch_size"]}
         self._specs = {"off": None,
                        "ngram": build_spec(SpecDecodeConfig(proposer="ngram", **common)),
-                       "suffix": build_spec(SpecDecodeConfig(proposer="suffix", **common))}
+                       "suffix": build_spec(SpecDecodeConfig(proposer="suffix", **common)),
+                       "draft_model": build_spec(SpecDecodeConfig(
+                           proposer="draft_model", draft_layers=settings["draft_layers"] or None, adaptive=False,
+                           num_speculative_tokens=settings["draft_k"], max_batch_size=settings["max_batch_size"]))}
 
     async def step(self, column: str, index: int) -> dict[str, float]:
         return await asyncio.to_thread(self._measure, column)
@@ -104,8 +112,13 @@ class SpecWorkload(Workload):
         for group, prompts in self._groups.items():
             batch = 8 if group.endswith("b8") else 1
             # a fresh proposer per group: the suffix global index must not remember this very request
-            # from an earlier group or round (the groups share prompts, and greedy outputs repeat)
-            engine.speculator.proposers.clear()
+            # from an earlier group or round (the groups share prompts, and greedy outputs repeat);
+            # a draft model is kept (loading it takes seconds) with its prefix cache emptied
+            for key, proposer in list(engine.speculator.proposers.items()):
+                if hasattr(proposer, "block_manager"):
+                    proposer.block_manager.reset_prefix_cache()
+                else:
+                    del engine.speculator.proposers[key]
             run = self._run(prompts, spec, batch)
             metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
             if column == "off":
