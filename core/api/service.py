@@ -26,11 +26,11 @@ from loopstack.api.conversation import (
     normalize_tools,
     render_prompt,
 )
+from loopstack.api.decoding_metrics import record_decoding
 from loopstack.api.errors import APIError
 from loopstack.api.generation import EngineClient, generation_inputs
 from loopstack.api.ids import new_id
 from loopstack.api.response_builder import ResponseBuilder, usage_of
-from loopstack.api.decoding_metrics import record_decoding
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.store import ResponseStore, StoredResponse, StoreError
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
