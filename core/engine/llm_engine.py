@@ -119,6 +119,7 @@ class LLMEngine:
         )
         self._grammar: GrammarBackend | None = None
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # prefill-only requests handed off, blocks kept for a transfer
         self._capturing: set[str] = set()  # request ids with a pending capture: the capturing forward runs
         self._eos = set(tokenizer.eos_token_ids)
         self.quantization = "none"  # set by the factory when it quantizes the model
@@ -136,7 +137,7 @@ class LLMEngine:
 
     def make_sequence(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
-        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None,
+        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None, prefill_only: bool = False,
     ) -> Sequence:
         """Validate a request and build its sequence (safe from any thread; does not enqueue).
 
@@ -144,6 +145,9 @@ class LLMEngine:
         :class:`HiddenCapture`); it arrives as ``RequestOutput.hidden_state``. ``speculation``
         makes it decode speculatively (see :mod:`loopstack.engine.speculator`); its output is the
         same as without (token for token when greedy, in distribution when sampling).
+        ``prefill_only``: the prefill side of a disaggregated request; after its first token it
+        ends with ``FinishReason.HANDOFF`` unless it is complete (EOS, a stop, ``max_tokens``
+        1), its blocks held until :meth:`release_held` (see :meth:`held_sequence`).
 
         Raises PromptTooLongError, InvalidGrammarError, InvalidHiddenCaptureError (a layer the
         model lacks, a span past the prompt), ValueError (empty prompt, bad token id).
@@ -162,7 +166,7 @@ class LLMEngine:
             check_capture(capture, self.model.config, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt,
                        capture=CaptureAccumulator(capture) if capture is not None else None,
-                       speculation_spec=speculation)
+                       speculation_spec=speculation, prefill_only=prefill_only)
         if params.grammar is not None:
             seq.grammar = self.grammar_backend.new_state(params.grammar)
         if params.seed is not None:
@@ -186,7 +190,7 @@ class LLMEngine:
         self.scheduler.add_running(seq)
 
     def _register(self, seq: Sequence) -> None:
-        if seq.request_id in self._seqs:
+        if seq.request_id in self._seqs or seq.request_id in self._held:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         self._seqs[seq.request_id] = seq
         if seq.is_capturing:
@@ -196,10 +200,10 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
-        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None,
+        capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None, prefill_only: bool = False,
     ) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt, capture=capture,
-                                 speculation=speculation)
+                                 speculation=speculation, prefill_only=prefill_only)
         self.add_sequence(seq)
         return seq
 
@@ -213,6 +217,25 @@ class LLMEngine:
         self.speculator.detach(seq)
         seq.finish(FinishReason.ABORT)
         return self._output(seq, [], "")
+
+    def held_sequence(self, request_id: str) -> Sequence | None:
+        """A prefill-only request that ended with HANDOFF, its blocks still held; None if unknown
+        or released (engine thread only)."""
+        return self._held.get(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a held request (its KV transfer is done, failed or expired). Returns
+        whether it was held."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        if request_id in self.block_manager:
+            self.block_manager.free(request_id)
+        return True
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -341,7 +364,9 @@ class LLMEngine:
             seq.finish(FinishReason.STOP)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish(FinishReason.LENGTH)
-        if seq.is_finished and not stop_hit:
+        elif seq.prefill_only:  # the decode side goes on from here, with text held back as it is now
+            seq.finish(FinishReason.HANDOFF)
+        if seq.is_finished and not stop_hit and seq.finish_reason is not FinishReason.HANDOFF:
             text += stop_checker.flush()
         seq.output_text += text
         if seq.is_finished:
@@ -349,7 +374,10 @@ class LLMEngine:
         return self._output(seq, [token], text, [logprob] if params.logprobs is not None else None)
 
     def _release(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+        handoff = seq.finish_reason is FinishReason.HANDOFF
+        self.scheduler.finish(seq, keep_blocks=handoff)
+        if handoff:
+            self._held[seq.request_id] = seq
         self.speculator.detach(seq)
         self._seqs.pop(seq.request_id, None)
         self._capturing.discard(seq.request_id)
@@ -389,5 +417,6 @@ class LLMEngine:
             "busy_s": self.busy_s,
             "computed_tokens": self.num_computed_tokens,
             "pending_captures": len(self._capturing),
+            "held_for_transfer": len(self._held),
             "speculation": self.speculator.statistics.as_dict(),
         }

@@ -138,13 +138,14 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and release its blocks."""
+    def finish(self, seq: Sequence, *, keep_blocks: bool = False) -> None:
+        """Remove a finished or aborted sequence and release its blocks (``keep_blocks``: they stay
+        allocated under its id, for a KV transfer; the caller frees them)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.request_id in self.block_manager:
+        if not keep_blocks and seq.request_id in self.block_manager:
             self.block_manager.free(seq.request_id)
 
     def statistics(self) -> SchedulerStatistics:

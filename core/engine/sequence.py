@@ -32,6 +32,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller (or a guard)
     ERROR = "error"  # the grammar rejected every token, or the step failed
+    HANDOFF = "handoff"  # a prefill-only request sampled its first token: its KV is held for a transfer
 
 
 class StopChecker:
@@ -90,6 +91,7 @@ class Sequence:
     speculation_spec: SpeculationSpec | None = None  # asked for speculative decoding
     speculation: SequenceSpeculation | None = None  # its state while it runs (see loopstack.engine.speculator)
     speculation_statistics: SpeculationStatistics | None = None  # what its speculation did, once it ended
+    prefill_only: bool = False  # end with HANDOFF after the first token, blocks kept (disaggregation)
     num_sampling_forwards: int = 0  # forwards that appended tokens to it (sampled one, or verified a draft)
 
     @property

@@ -41,3 +41,68 @@ def test_import_reuses_blocks_the_target_already_caches():
     while not moved.is_finished:
         target.step()
     assert moved.output_token_ids == make_engine().generate([PROMPTS[2]], PARAMS)[0].output_token_ids
+
+
+def test_a_prefill_only_request_hands_off_after_its_first_token_and_holds_its_blocks():
+    from loopstack.engine.seams.kv_transfer import export_state, import_state
+    from loopstack.engine.sequence import FinishReason
+
+    reference = make_engine().generate([PROMPTS[2]], PARAMS)[0]
+    source, target = make_engine(), make_engine(num_kv_blocks=96)
+    held = source.add_request("p", PROMPTS[2], PARAMS, prefill_only=True)
+    outputs = source.step()
+    assert [o.finish_reason for o in outputs] == [FinishReason.HANDOFF] and held.output_token_ids == \
+        reference.output_token_ids[:1]
+    assert not source.has_unfinished() and source.held_request_ids == ["p"]
+    used = source.block_manager.statistics().num_used_blocks
+    assert used == 10  # 40 prompt tokens in blocks of 4, kept for the transfer
+    state, block_ids = export_state(source, "p")
+    moved = import_state(target, state, lambda first, dst: target.runner.import_kv(
+        dst, source.runner.export_kv(block_ids[first : first + len(dst)])))
+    assert source.release_held("p") and not source.release_held("p")
+    assert source.block_manager.statistics().num_used_blocks == 0
+    while not moved.is_finished:
+        target.step()
+    assert moved.output_token_ids == reference.output_token_ids
+    assert target.block_manager.statistics().num_used_blocks == 0
+
+
+def test_a_complete_first_token_is_not_handed_off():
+    from loopstack.engine.sequence import FinishReason
+
+    engine = make_engine()
+    engine.add_request("one", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=1), prefill_only=True)
+    [output] = engine.step()
+    assert output.finish_reason is FinishReason.LENGTH and engine.held_request_ids == []
+    assert engine.block_manager.statistics().num_used_blocks == 0
+
+
+def test_a_seeded_sampling_request_continues_its_random_stream_elsewhere():
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=7)
+    reference = make_engine().generate([PROMPTS[0]], params)[0].output_token_ids
+    source, target = make_engine(), make_engine()
+    source.add_request("s", PROMPTS[0], params, prefill_only=True)
+    source.step()
+    moved = import_request(target, export_request(source, "s"))
+    source.release_held("s")
+    while not moved.is_finished:
+        target.step()
+    assert moved.output_token_ids == reference
+
+
+def test_a_failed_load_frees_what_the_import_took():
+    import pytest
+
+    from loopstack.engine.seams.kv_transfer import export_state, import_state
+
+    source, target = make_engine(), make_engine()
+    source.add_request("f", PROMPTS[2], PARAMS, prefill_only=True)
+    source.step()
+    state, _ = export_state(source, "f")
+
+    def broken(first, dst):
+        raise ConnectionError("transfer broken midway")
+
+    with pytest.raises(ConnectionError):
+        import_state(target, state, broken)
+    assert target.block_manager.statistics().num_used_blocks == 0 and not target.has_unfinished()

@@ -29,22 +29,25 @@ import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from loopstack.engine.async_engine import GenerationResult
 from loopstack.engine.block_manager import BlockManagerStatistics
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import EngineError
-from loopstack.engine.llm_engine import EngineOptions, RequestOutput
+from loopstack.engine.llm_engine import EngineOptions
 from loopstack.engine.loaders import resolve_model_path
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.kv_connector import ConnectorFactory, TransferTicket
 from loopstack.engine.seams.kv_events import KVCacheEvent
+from loopstack.engine.seams.kv_transfer import RequestState
 from loopstack.engine.seams.replica_worker import (
     ChildStatistics,
     ReplicaDiedError,
     ReplicaProcess,
     ReplicaStartError,
+    StreamItem,
     replica_main,
 )
 from loopstack.engine.seams.speculation import SpeculationSpec
@@ -90,6 +93,9 @@ class ReplicaStatistics(NamedTuple):
     num_step_errors: int
     num_kv_events: int  # forwarded to this process so far
     blocks: BlockManagerStatistics | None
+    num_held: int = 0  # disaggregated prefill: requests whose blocks wait to be staged
+    num_importing: int = 0  # disaggregated decode: imports whose KV is on its way
+    connector: dict[str, Any] | None = None  # its KV connector's counters
 
 
 def _info_of(replica: ReplicaProcess) -> ReplicaInfo:
@@ -126,20 +132,25 @@ class ReplicaStream:
     def __init__(
         self, pool: ReplicaPool, replica: ReplicaProcess, request_id: str, prompt_token_ids: list[int],
         params: SamplingParams, salt: str, capture: HiddenCapture | None = None,
-        speculation: SpeculationSpec | None = None,
+        speculation: SpeculationSpec | None = None, *, message: tuple[Any, ...] | None = None,
     ) -> None:
         self.request_id = request_id
         self._pool = pool
         self._replica = replica
-        self._request = (request_id, prompt_token_ids, params, salt, capture, speculation)
+        # the wire message without its tag: ("add", ...) unless a disaggregated one is given
+        self._message = message or ("add", request_id, prompt_token_ids, params, salt, capture, speculation)
         self._tag: int | None = None
-        self._queue: asyncio.Queue[RequestOutput | BaseException] | None = None
+        self._queue: asyncio.Queue[StreamItem] | None = None
         self._is_done = False
+
+    @property
+    def replica_index(self) -> int:
+        return self._replica.index
 
     def __aiter__(self) -> ReplicaStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> Any:  # RequestOutput; Handoff / Imported on a prefill / import stream
         if self._is_done:
             raise StopAsyncIteration
         if self._queue is None:
@@ -159,15 +170,16 @@ class ReplicaStream:
         self._is_done = item.finished
         return item
 
-    def _submit(self) -> asyncio.Queue[RequestOutput | BaseException]:
+    def _submit(self) -> asyncio.Queue[StreamItem]:
         self._pool._check_running()
         replica = self._replica
         if not replica.is_alive:
             raise ReplicaDiedError(replica.index, replica.exitcode)
         tag = next(self._pool._ids)
-        replica.send(("add", tag, *self._request))
+        kind, *payload = self._message
+        replica.send((kind, tag, *payload))
         self._tag = tag
-        stream_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream_queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         replica.streams[tag] = stream_queue
         return stream_queue
 
@@ -212,6 +224,8 @@ class ReplicaPool:
             outlives the pool; the pool sets its preload list, which counts only if it starts it.
         quantization, native_decode: as for :func:`~loopstack.engine.factory.build_engine` (the
             defaults load the plain float model, as :func:`~loopstack.engine.loaders.load_model` does).
+        connector, role: a KV connector factory makes the replicas disaggregated workers of ``role``
+            ("prefill" or "decode"): see :meth:`prefill` and :meth:`import_stream`.
 
     Raises:
         ValueError: bad counts or a device list of the wrong length.
@@ -229,6 +243,8 @@ class ReplicaPool:
         start_method: str = "forkserver",
         quantization: str = "none",
         native_decode: bool = False,
+        connector: ConnectorFactory | None = None,
+        role: str = "prefill",
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -246,6 +262,8 @@ class ReplicaPool:
         self.start_method = start_method
         self.quantization = quantization
         self.native_decode = native_decode
+        self.connector = connector
+        self.role = role
         self.threads_per_replica = threads_per_replica or max(1, _num_cpus() // num_replicas)
         self.num_kv_callback_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -277,7 +295,7 @@ class ReplicaPool:
             for index, device in enumerate(self.devices):
                 replica = ReplicaProcess(index, self._loop, model=self.model, on_kv_event=self._deliver_kv_event)
                 self._replicas.append(replica)
-                replica.launch(context, self._launch_args(device))
+                replica.launch(context, self._launch_args(device, index))
             await asyncio.wait_for(asyncio.gather(*(r.ready for r in self._replicas)), timeout)
         except BaseException as exc:
             await self.close()
@@ -302,7 +320,7 @@ class ReplicaPool:
         context = multiprocessing.get_context(self.start_method)
         replica = ReplicaProcess(index, self._loop, model=self.model, on_kv_event=self._deliver_kv_event)
         self._replicas[index] = replica
-        replica.launch(context, self._launch_args(self.devices[index]))
+        replica.launch(context, self._launch_args(self.devices[index], index))
         try:
             await asyncio.wait_for(replica.ready, timeout)
         except TimeoutError:
@@ -380,6 +398,33 @@ class ReplicaPool:
             capture, speculation,
         )
 
+    def prefill(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str = "",
+        lease_s: float = 10.0, replica_index: int,
+    ) -> ReplicaStream:
+        """The prefill half of a disaggregated request on worker ``replica_index`` (a pool with a
+        connector): its outputs, then one :class:`~loopstack.engine.seams.replica_worker.Handoff`
+        (its first token, its state, the ticket of its KV staged under a lease of ``lease_s``
+        seconds) unless the first token ended it (EOS, a stop, ``max_tokens`` 1)."""
+        self._check_running()
+        return ReplicaStream(self, self._replicas[replica_index], request_id, [], params, salt, message=(
+            "prefill", request_id, list(prompt_token_ids), params, salt, lease_s))
+
+    def import_stream(self, state: RequestState, ticket: TransferTicket, *, timeout_s: float,
+                      replica_index: int) -> ReplicaStream:
+        """The decode half: worker ``replica_index`` fetches the KV of ``ticket`` (raising the
+        fetch's :class:`~loopstack.engine.seams.kv_connector.TransferError` if it fails), yields one
+        :class:`~loopstack.engine.seams.replica_worker.Imported`, then the request's outputs."""
+        self._check_running()
+        return ReplicaStream(self, self._replicas[replica_index], state.request_id, [], state.params, state.salt,
+                             message=("import", state, ticket, timeout_s))
+
+    def release(self, replica_index: int, lease_id: str) -> None:
+        """Tell prefill worker ``replica_index`` that a lease's KV is no longer needed."""
+        replica = self._replicas[replica_index]
+        if replica.is_alive and replica.is_accepting:
+            replica.send(("release", lease_id))
+
     async def generate(
         self,
         prompt_token_ids: Sequence[int],
@@ -437,9 +482,9 @@ class ReplicaPool:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _launch_args(self, device: str) -> tuple[object, ...]:
+    def _launch_args(self, device: str, index: int = 0) -> tuple[object, ...]:
         return (self.model, self.options, device, self.dtype, self.threads_per_replica, self.quantization,
-                self.native_decode)
+                self.native_decode, self.connector, self.role, index)
 
     def _least_busy_index(self) -> int:
         # a placeholder until the router chooses: a stream counts once it is first iterated, so
@@ -468,4 +513,5 @@ class ReplicaPool:
         return ReplicaStatistics(
             replica.index, replica.is_alive, len(replica.streams), child.num_waiting, child.num_running,
             child.num_preemptions, child.num_steps, child.num_step_errors, replica.num_kv_events, child.blocks,
+            child.num_held, child.num_importing, child.connector,
         )

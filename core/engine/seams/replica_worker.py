@@ -16,6 +16,9 @@ Wire format: every message is a pickled tuple whose first item names it.
 Parent -> child::
 
     ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation)   # HiddenCapture | None, SpeculationSpec | None
+    ("prefill", tag, request_id, prompt_token_ids, params, salt, lease_s)   # prefill only: hand off after token 1
+    ("import", tag, RequestState, TransferTicket, timeout_s)   # fetch the KV, then decode
+    ("release", lease_id)                            # a handed-off request's KV was fetched (or is not needed)
     ("abort", tag)
     ("stats", token)
     ("shutdown",)                                    # abort what runs, reply, exit 0
@@ -26,7 +29,14 @@ Child -> parent::
     ("failed", error_type_path, message)             # loading failed; the child exits 1
     ("outputs", [KVCacheEvent, ...], [(tag, RequestOutput), ...])
     ("rejected", tag, [type paths along the MRO], message)
+    ("handoff", tag, RequestOutput, RequestState, TransferTicket)   # a prefill ended: its first token, its KV
+    ("imported", tag, TransferStats)                 # an import's KV arrived; its outputs follow
     ("stats", token, ChildStatistics)
+
+A prefill worker stages a handed-off request's KV with its connector under a lease (the engine's
+blocks are free again at once) and ends leases past their deadline between steps. A decode worker
+allocates an import's blocks, fetches the KV on a thread of its own while its engine keeps stepping,
+and schedules the request when the KV is in (or frees the blocks when the fetch fails or is aborted).
 
 ``tag`` is the parent's wire id of one stream (unique per pool, never reused), so a late output of an
 aborted request can never reach a new stream that reuses its ``request_id``.
@@ -44,6 +54,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -58,12 +69,31 @@ from loopstack.engine.errors import EngineError
 from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError, RequestOutput
 from loopstack.engine.loaders import load_model
 from loopstack.engine.sampling_params import InvalidSamplingParamsError
+from loopstack.engine.seams.kv_connector import (
+    ConnectorContext,
+    ConnectorFactory,
+    KVConnectorWorker,
+    LeaseExpiredError,
+    TransferError,
+    TransferStats,
+    TransferTicket,
+)
 from loopstack.engine.seams.kv_events import KVCacheEvent, KVEventBus
+from loopstack.engine.seams.kv_transfer import (
+    PendingImport,
+    RequestState,
+    abandon_import,
+    begin_import,
+    complete_import,
+    export_state,
+)
 from loopstack.engine.sequence import FinishReason
 from loopstack.engine.text.grammar import InvalidGrammarError
 
 __all__ = [
     "ChildStatistics",
+    "Handoff",
+    "Imported",
     "ReplicaDiedError",
     "ReplicaProcess",
     "ReplicaReady",
@@ -106,6 +136,25 @@ class ChildStatistics(NamedTuple):
     num_preemptions: int
     num_steps: int
     num_step_errors: int
+    num_held: int = 0  # prefill-only requests whose blocks the engine still holds
+    num_importing: int = 0  # imports whose KV is on its way
+    connector: dict[str, Any] | None = None  # the connector's counters (ConnectorStatistics.as_dict)
+
+
+class Handoff(NamedTuple):
+    """A prefill worker's last item for a request: its first token, its state, where its KV waits."""
+
+    output: RequestOutput
+    state: RequestState
+    ticket: TransferTicket
+    finished: bool = True
+
+
+class Imported(NamedTuple):
+    """A decode worker has the request's KV; its outputs follow."""
+
+    stats: TransferStats
+    finished: bool = False
 
 
 def error_type_paths(exc: BaseException) -> list[str]:
@@ -117,8 +166,8 @@ def error_type_paths(exc: BaseException) -> list[str]:
 _REQUEST_ERRORS: dict[str, type[Exception]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls
     for cls in (
-        PromptTooLongError, InvalidSamplingParamsError, InvalidGrammarError, InvalidHiddenCaptureError, ValueError,
-        TypeError,
+        PromptTooLongError, InvalidSamplingParamsError, InvalidGrammarError, InvalidHiddenCaptureError,
+        LeaseExpiredError, TransferError, ValueError, TypeError,
     )
 }
 
@@ -144,10 +193,13 @@ def _describe_exit(exitcode: int | None) -> str:
 
 def replica_main(
     conn: Connection, model: str, options: EngineOptions, device: str, dtype: str, num_threads: int,
-    quantization: str = "none", native_decode: bool = False,
+    quantization: str = "none", native_decode: bool = False, connector: ConnectorFactory | None = None,
+    role: str = "prefill", index: int = 0,
 ) -> None:
-    """Entry point of a replica process (the target given to ``multiprocessing``)."""
+    """Entry point of a replica process (the target given to ``multiprocessing``). ``connector``:
+    the KV connector of a disaggregated worker (``role`` "prefill" or "decode")."""
     torch.set_num_threads(num_threads)
+    kv_connector = None
     try:
         bus = KVEventBus(buffer_size=0)  # forwarded by callback; nothing polls the buffer
         if quantization == "none" and not native_decode:
@@ -158,46 +210,102 @@ def replica_main(
 
             engine = build_engine(model, options, device=device, dtype=dtype, quantization=quantization,
                                   native_decode=native_decode, event_bus=bus)
+        if connector is not None:
+            kv_connector = connector(ConnectorContext(role, index, engine.model.device))
     except Exception as exc:
         traceback.print_exc()
         conn.send(("failed", error_type_paths(exc)[0], str(exc)))
         conn.close()
         sys.exit(1)
-    server = _ReplicaServer(conn, engine, bus)
+    server = _ReplicaServer(conn, engine, bus, kv_connector)
     ready = ReplicaReady(os.getpid(), engine.block_manager.num_blocks, engine.max_model_len, engine.model.config)
     conn.send(("ready", ready))
     try:
         server.serve()
     finally:
+        server.close()
         conn.close()
 
 
+class _Import:
+    """An import whose KV is on its way (fetched on its own thread)."""
+
+    def __init__(self, tag: int, state: RequestState, ticket: TransferTicket, pending: PendingImport) -> None:
+        self.tag = tag
+        self.state = state
+        self.ticket = ticket
+        self.pending = pending
+        self.cancel = threading.Event()
+        self.stats: TransferStats | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+
 class _ReplicaServer:
-    def __init__(self, conn: Connection, engine: LLMEngine, bus: KVEventBus) -> None:
+    def __init__(self, conn: Connection, engine: LLMEngine, bus: KVEventBus,
+                 connector: KVConnectorWorker | None = None) -> None:
         self.conn = conn
         self.engine = engine
+        self.connector = connector
         self.tag_of: dict[str, int] = {}  # request_id -> tag
         self.request_id_of: dict[int, str] = {}
         self.events: list[KVCacheEvent] = []
         self.num_step_errors = 0
+        self.lease_s: dict[str, float] = {}  # prefill-only request id -> its lease, once handed off
+        self.imports: dict[int, _Import] = {}  # tag -> an import whose KV is on its way
+        self._fetched: queue.SimpleQueue[int] = queue.SimpleQueue()  # tags of imports whose fetch ended
         bus.subscribe(self.events.append)
 
     def serve(self) -> None:
         """Run until ``shutdown``, or until the parent is gone (EOF on the pipe)."""
         try:
             while True:
-                must_wait = not self.engine.has_unfinished()
-                while must_wait or self.conn.poll():
-                    message = self.conn.recv()
-                    if message[0] == "shutdown":
-                        self._shutdown()
-                        return
-                    self._handle(message)
-                    must_wait = False
+                if self.conn.poll(self._wait_s()):
+                    while True:
+                        message = self.conn.recv()
+                        if message[0] == "shutdown":
+                            self._shutdown()
+                            return
+                        self._handle(message)
+                        if not self.conn.poll():
+                            break
+                self._housekeeping()
                 outputs = self._step() if self.engine.has_unfinished() else []
-                self._send_outputs(outputs)
+                self._send_outputs(self._hand_off(outputs))
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return  # the parent went away: nobody is left to serve
+
+    def _wait_s(self) -> float | None:
+        """How long to wait for a message before the next step: not at all while the engine has
+        work; a moment while an import's KV is on its way; until the next lease ends; or forever."""
+        if self.engine.has_unfinished():
+            return 0.0
+        if self.imports:
+            return 0.002
+        deadline = self.connector.next_deadline() if self.connector is not None else None
+        return None if deadline is None else max(0.0, deadline - time.time()) + 0.001
+
+    def _housekeeping(self) -> None:
+        """End leases past their deadline; schedule (or free) imports whose fetch ended."""
+        if self.connector is not None:
+            self.connector.expire(time.time())
+        while True:
+            try:
+                tag = self._fetched.get_nowait()
+            except queue.Empty:
+                return
+            self._finish_import(self.imports.pop(tag))
+
+    def close(self) -> None:
+        for item in self.imports.values():
+            item.cancel.set()
+        for item in list(self.imports.values()):
+            if item.thread is not None:
+                item.thread.join(timeout=5)
+            abandon_import(self.engine, item.pending)
+        self.imports.clear()
+        if self.connector is not None:
+            self.connector.close()
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -211,15 +319,123 @@ class _ReplicaServer:
                 return
             self.tag_of[request_id] = tag
             self.request_id_of[tag] = request_id
+        elif kind == "prefill":
+            _, tag, request_id, prompt_token_ids, params, salt, lease_s = message
+            if self.connector is None:
+                self._send(("rejected", tag, error_type_paths(ValueError()), "this worker has no KV connector"))
+                return
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, prefill_only=True)
+            except Exception as exc:
+                self._send(("rejected", tag, error_type_paths(exc), str(exc)))
+                return
+            self.tag_of[request_id] = tag
+            self.request_id_of[tag] = request_id
+            self.lease_s[request_id] = lease_s
+        elif kind == "import":
+            self._start_import(*message[1:])
+        elif kind == "release":
+            if self.connector is not None:
+                self.connector.release(message[1])
         elif kind == "abort":
+            importing = self.imports.get(message[1])
+            if importing is not None:
+                importing.cancel.set()  # its fetch stops; _finish_import frees its blocks
+                return
             request_id = self.request_id_of.pop(message[1], None)
             if request_id is not None:
                 del self.tag_of[request_id]
+                self.lease_s.pop(request_id, None)
                 self.engine.abort(request_id)  # the parent dropped the stream: no output to send
         elif kind == "stats":
             self._send(("stats", message[1], self._statistics()))
         else:
             raise ValueError(f"unknown message {kind!r}")
+
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def _hand_off(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Stage every handed-off request's KV with the connector (its blocks are then free here)
+        and send it as a ``handoff``; the other outputs go on as they are."""
+        kept = []
+        for output in outputs:
+            if output.finish_reason is not FinishReason.HANDOFF:
+                kept.append(output)
+                continue
+            request_id = output.request_id
+            tag = self.tag_of.get(request_id)
+            lease_s = self.lease_s.pop(request_id, 10.0)
+            if tag is None:  # aborted meanwhile: nobody will fetch it
+                self.engine.release_held(request_id)
+                continue
+            try:
+                assert self.connector is not None  # only "prefill" makes prefill-only requests
+                state, block_ids = export_state(self.engine, request_id)
+                ticket = self.connector.offer(f"{os.getpid()}-{tag}", self.engine.runner.export_kv(block_ids), lease_s)
+            except Exception as exc:  # staging failed (no shared memory left, say): the request fails
+                traceback.print_exc()
+                self.engine.release_held(request_id)
+                kept.append(RequestOutput(request_id, output.new_token_ids, output.new_text, True, FinishReason.ERROR,
+                                          output.usage, f"the KV could not be staged for transfer: {exc}"))
+                continue
+            self.engine.release_held(request_id)
+            del self.tag_of[request_id], self.request_id_of[tag]
+            self._send_outputs([])  # this step's KV events first
+            self.conn.send(("handoff", tag, output, state, ticket))
+        return kept
+
+    def _start_import(self, tag: int, state: RequestState, ticket: TransferTicket, timeout_s: float) -> None:
+        connector = self.connector
+        try:
+            if connector is None:
+                raise ValueError("this worker has no KV connector")
+            pending = begin_import(self.engine, state)
+        except Exception as exc:
+            self._send(("rejected", tag, error_type_paths(exc), str(exc)))
+            return
+        item = _Import(tag, state, ticket, pending)
+        blocks = connector.scheduler.blocks_to_load(state.num_blocks, pending.first_block)
+        item.thread = threading.Thread(target=self._fetch, args=(item, blocks, timeout_s), daemon=True,
+                                       name=f"loopstack-kv-fetch-{tag}")
+        self.imports[tag] = item
+        item.thread.start()
+
+    def _fetch(self, item: _Import, blocks: range, timeout_s: float) -> None:
+        """On the import's own thread: fetch its KV into its blocks (nobody else uses them yet)."""
+        runner = self.engine.runner
+
+        def write(first: int, chunk: torch.Tensor) -> None:
+            with torch.inference_mode():
+                runner.import_kv(item.pending.destination(first, chunk.shape[2]), chunk)
+
+        try:
+            assert self.connector is not None
+            item.stats = self.connector.fetch(item.ticket, blocks, write, timeout=timeout_s,
+                                              cancelled=item.cancel.is_set)
+        except BaseException as exc:
+            item.error = exc
+        finally:
+            self._fetched.put(item.tag)
+
+    def _finish_import(self, item: _Import) -> None:
+        if item.cancel.is_set() or item.error is not None:
+            abandon_import(self.engine, item.pending)
+            if not item.cancel.is_set():
+                error = item.error
+                assert error is not None
+                self._send(("rejected", item.tag, error_type_paths(error), str(error)))
+            return
+        request_id = item.state.request_id
+        try:
+            complete_import(self.engine, item.pending, item.state)
+        except Exception as exc:
+            abandon_import(self.engine, item.pending)
+            self._send(("rejected", item.tag, error_type_paths(exc), str(exc)))
+            return
+        self.tag_of[request_id] = item.tag
+        self.request_id_of[item.tag] = request_id
+        assert item.stats is not None
+        self._send(("imported", item.tag, item.stats))
 
     def _step(self) -> list[RequestOutput]:
         try:
@@ -266,10 +482,15 @@ class _ReplicaServer:
             scheduler.num_preemptions,
             self.engine.num_steps,
             self.num_step_errors,
+            len(self.engine.held_request_ids),
+            len(self.imports),
+            self.connector.stats.as_dict() if self.connector is not None else None,
         )
 
 
 # -- the parent's end ----------------------------------------------------------------------------
+
+StreamItem = RequestOutput | Handoff | Imported | BaseException
 
 
 class ReplicaProcess:
@@ -291,7 +512,7 @@ class ReplicaProcess:
         self.conn: Connection | None = None
         self.pid: int | None = None
         self.ready_info: ReplicaReady | None = None
-        self.streams: dict[int, asyncio.Queue[RequestOutput | BaseException]] = {}  # tag -> queue
+        self.streams: dict[int, asyncio.Queue[StreamItem]] = {}  # tag -> queue
         self.stats_waiters: dict[int, asyncio.Future[ChildStatistics]] = {}
         self.ready: asyncio.Future[ReplicaReady] = self.loop.create_future()
         self.exited = asyncio.Event()
@@ -404,6 +625,15 @@ class ReplicaProcess:
                     if output.finished:
                         del self.streams[tag]
                     stream_queue.put_nowait(output)
+        elif kind == "handoff":
+            _, tag, output, state, ticket = message
+            if (stream_queue := self.streams.pop(tag, None)) is not None:
+                stream_queue.put_nowait(Handoff(output, state, ticket))
+            else:  # the stream was dropped meanwhile: nobody will fetch it
+                self.send(("release", ticket.lease_id))
+        elif kind == "imported":
+            if (stream_queue := self.streams.get(message[1])) is not None:
+                stream_queue.put_nowait(Imported(message[2]))
         elif kind == "rejected":
             _, tag, type_paths, text = message
             if (stream_queue := self.streams.pop(tag, None)) is not None:
