@@ -11,7 +11,9 @@ A replica that does not answer its first ping starts out of rotation and joins o
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -19,11 +21,13 @@ from loopstack.engine.llm_engine import EngineOptions
 from loopstack.engine.loaders import load_tokenizer
 from loopstack.engine.seams.replica_pool import ReplicaPool
 from loopstack.inference.backends import EmbeddedBackend
+from loopstack.inference.disaggregated import DisaggregatedBackend, TransferLog
 from loopstack.inference.loop_thread import LoopThread
 from loopstack.inference.remote import RemoteBackend
 from loopstack.inference.router import Router, RouterOptions
+from loopstack.inference.topology import Disaggregated
 
-__all__ = ["RemoteSpec", "start_embedded_router", "start_remote_router"]
+__all__ = ["RemoteSpec", "start_disaggregated_router", "start_embedded_router", "start_remote_router"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,81 @@ def start_embedded_router(
         logger.info("replica embedded-%d: pid %s, %s KV blocks, context %s", info.index, info.pid,
                     info.num_kv_blocks, info.max_model_len)
     return router
+
+
+def start_disaggregated_router(
+    model: str, topology: Disaggregated, options: EngineOptions, *, device: str = "cpu", dtype: str = "auto",
+    quantization: str = "none", native_decode: bool = False, hooks_of: Callable[[], Any] = lambda: None,
+    router_options: RouterOptions | None = None, start_timeout_s: float = 600.0,
+) -> Router:
+    """A started router over ``topology.prefill_workers`` prefill workers, each handing its requests
+    to the least loaded of ``topology.decode_workers`` decode workers (see
+    :mod:`loopstack.inference.disaggregated`). The router picks the prefill worker (by cache, with
+    the prefill workers' KV events); each worker gets ``threads_per_worker`` threads, or the usable
+    cores split evenly over all of them.
+
+    Raises:
+        ModelNotFoundError, ReplicaStartError: as :meth:`ReplicaPool.start` (nothing is left running).
+    """
+    tokenizer, _ = load_tokenizer(model)
+    loop = LoopThread()
+    num_workers = topology.prefill_workers + topology.decode_workers
+    threads = topology.threads_per_worker or max(1, _num_cpus() // num_workers)
+    common = {"device": device, "dtype": dtype, "quantization": quantization, "native_decode": native_decode,
+              "threads_per_replica": threads, "connector": topology.connector}
+    prefill = ReplicaPool(model, topology.prefill_workers, options, role="prefill", **common)  # type: ignore[arg-type]
+    decode = ReplicaPool(model, topology.decode_workers, options, role="decode", **common)  # type: ignore[arg-type]
+
+    async def start() -> None:
+        await asyncio.gather(prefill.start(timeout=start_timeout_s), decode.start(timeout=start_timeout_s))
+
+    async def close() -> None:
+        await asyncio.gather(prefill.close(), decode.close())
+
+    try:
+        loop.run(start())
+    except BaseException:
+        loop.run(close())
+        loop.close()
+        raise
+    log = TransferLog()
+    connector_class = getattr(topology.connector, "func", topology.connector)  # a class or a partial of one
+    reclaim = getattr(connector_class, "reclaim", None) or (lambda ticket: None)
+    backends = [DisaggregatedBackend(prefill, index, decode, options=topology.options, log=log, reclaim=reclaim)
+                for index in range(topology.prefill_workers)]
+    ready = prefill.replicas + decode.replicas
+    router = Router(
+        backends, tokenizer=tokenizer, max_model_len=min(info.max_model_len or 0 for info in ready),
+        block_size=options.block_size, loop=loop, hidden_state_model=None, hooks_of=hooks_of,
+        options=router_options or RouterOptions(), on_close=close,
+    )
+    router.disaggregation = DisaggregationView(prefill, decode, log)
+    prefill.subscribe_kv_events(router.deliver_kv_event)
+    try:
+        loop.run(router.started())
+    except BaseException:
+        router.shutdown()
+        raise
+    for pool in (prefill, decode):
+        for info in pool.replicas:
+            logger.info("%s worker %d: pid %s, %s KV blocks, %d threads", pool.role, info.index, info.pid,
+                        info.num_kv_blocks, threads)
+    return router
+
+
+class DisaggregationView(NamedTuple):
+    """What a disaggregated router exposes for metrics and tests: its two pools and its transfer log."""
+
+    prefill: ReplicaPool
+    decode: ReplicaPool
+    log: TransferLog
+
+
+def _num_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class RemoteSpec(NamedTuple):

@@ -128,8 +128,14 @@ class Router:
         self._counts: Counter[str] = Counter()
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
+        self.disaggregation: Any = None  # a disaggregated router's pools and transfer log (fleet.DisaggregationView)
 
     # -- the engine client the API uses ------------------------------------------------------------
+
+    @property
+    def loop(self) -> LoopThread:
+        """The router's own event loop thread (its backends' pools belong to it)."""
+        return self._loop
 
     @property
     def max_model_len(self) -> int:

@@ -55,8 +55,7 @@ class SharedMemoryConnector(KVConnectorWorker):
     def offer(self, lease_id: str, kv: torch.Tensor, lease_s: float) -> TransferTicket:
         kv = kv.contiguous()
         nbytes = kv.numel() * kv.element_size()
-        segment = shared_memory.SharedMemory(create=True, size=HEADER_BYTES + max(nbytes, 1),
-                                             name=f"{self._prefix}-{lease_id}"[:250])
+        segment = _open(f"{self._prefix}-{lease_id}"[:250], create=True, size=HEADER_BYTES + max(nbytes, 1))
         deadline = time.time() + lease_s
         view = torch.frombuffer(segment.buf, dtype=kv.dtype, count=kv.numel(), offset=HEADER_BYTES)
         view.copy_(kv.view(-1))
@@ -87,15 +86,12 @@ class SharedMemoryConnector(KVConnectorWorker):
     def reclaim(cls, ticket: TransferTicket) -> None:
         """Unlink the segment a dead prefill worker left (marked ended first, for any reader)."""
         try:
-            segment = shared_memory.SharedMemory(name=ticket.address)
+            segment = _open(ticket.address)
         except FileNotFoundError:
             return
         HEADER.pack_into(segment.buf, 0, ENDED, ticket.deadline)
         segment.close()
-        try:
-            segment.unlink()
-        except FileNotFoundError:
-            pass
+        _unlink(segment)
 
     def next_deadline(self) -> float | None:
         with self._lock:
@@ -114,7 +110,7 @@ class SharedMemoryConnector(KVConnectorWorker):
         segment: shared_memory.SharedMemory = lease.handle
         HEADER.pack_into(segment.buf, 0, ENDED, lease.deadline)  # readers see it before the name goes
         segment.close()
-        segment.unlink()
+        _unlink(segment)
         return True
 
     def _count_held(self) -> None:
@@ -129,11 +125,10 @@ class SharedMemoryConnector(KVConnectorWorker):
     ) -> TransferStats:
         started = time.perf_counter()
         try:
-            segment = shared_memory.SharedMemory(name=ticket.address)
+            segment = _open(ticket.address)
         except FileNotFoundError:
             self._failed("LeaseExpiredError")
             raise LeaseExpiredError(f"lease {ticket.lease_id}: its shared memory is gone (ended or never made)") from None
-        _untrack(segment)
         num_chunks = 0
         try:
             dtype = getattr(torch, ticket.dtype)
@@ -175,10 +170,21 @@ class SharedMemoryConnector(KVConnectorWorker):
         self.stats.failures[kind] = self.stats.failures.get(kind, 0) + 1
 
 
-def _untrack(segment: shared_memory.SharedMemory) -> None:
-    """Python < 3.13 registers an attached segment with the resource tracker, which would unlink it
-    when this process exits: the owner unlinks it, not a reader."""
+def _open(name: str, *, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
+    """A segment the resource tracker does not own: its lifetime is the lease's (ended by the owner,
+    or by the coordinator's reclaim when the owner died), and a tracker shared by forked workers
+    must not unlink it when one of them exits (Python 3.13's ``track=False``)."""
+    segment = shared_memory.SharedMemory(name=name, create=create, size=size)
     try:
         resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     except Exception:
+        pass
+    return segment
+
+
+def _unlink(segment: shared_memory.SharedMemory) -> None:
+    """Remove the segment's name without telling the resource tracker (it does not know it)."""
+    try:
+        shared_memory._posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+    except FileNotFoundError:
         pass

@@ -24,6 +24,7 @@ import torch
 
 from loopstack.engine.llm_engine import LLMEngine
 from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import Sequence
 
 __all__ = ["KVHandoff", "KVLoader", "PendingImport", "RequestState", "abandon_import", "begin_import",
@@ -108,7 +109,7 @@ class PendingImport:
         return self.block_ids[start : start + count]
 
 
-def begin_import(engine: LLMEngine, state: RequestState) -> PendingImport:
+def begin_import(engine: LLMEngine, state: RequestState, *, speculation: SpeculationSpec | None = None) -> PendingImport:
     """Allocate ``state``'s blocks in ``engine`` (reusing cached ones) and build its sequence; it is
     not scheduled until :func:`complete_import` (or freed by :func:`abandon_import`).
 
@@ -121,7 +122,8 @@ def begin_import(engine: LLMEngine, state: RequestState) -> PendingImport:
     if (engine.sequence(state.request_id) is not None or engine.held_sequence(state.request_id) is not None
             or state.request_id in engine.block_manager):
         raise ValueError(f"request id {state.request_id!r} is already in this engine")
-    seq = engine.make_sequence(state.request_id, state.prompt_token_ids, state.params, salt=state.salt)
+    seq = engine.make_sequence(state.request_id, state.prompt_token_ids, state.params, salt=state.salt,
+                               speculation=speculation)
     if state.generator_state is not None and seq.generator is not None:
         seq.generator.set_state(state.generator_state)
     assert seq.stop_checker is not None  # make_sequence gives every sequence one

@@ -411,13 +411,13 @@ class ReplicaPool:
             "prefill", request_id, list(prompt_token_ids), params, salt, lease_s))
 
     def import_stream(self, state: RequestState, ticket: TransferTicket, *, timeout_s: float,
-                      replica_index: int) -> ReplicaStream:
+                      replica_index: int, speculation: SpeculationSpec | None = None) -> ReplicaStream:
         """The decode half: worker ``replica_index`` fetches the KV of ``ticket`` (raising the
         fetch's :class:`~loopstack.engine.seams.kv_connector.TransferError` if it fails), yields one
         :class:`~loopstack.engine.seams.replica_worker.Imported`, then the request's outputs."""
         self._check_running()
         return ReplicaStream(self, self._replicas[replica_index], state.request_id, [], state.params, state.salt,
-                             message=("import", state, ticket, timeout_s))
+                             message=("import", state, ticket, timeout_s, speculation))
 
     def release(self, replica_index: int, lease_id: str) -> None:
         """Tell prefill worker ``replica_index`` that a lease's KV is no longer needed."""

@@ -17,7 +17,7 @@ Parent -> child::
 
     ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation)   # HiddenCapture | None, SpeculationSpec | None
     ("prefill", tag, request_id, prompt_token_ids, params, salt, lease_s)   # prefill only: hand off after token 1
-    ("import", tag, RequestState, TransferTicket, timeout_s)   # fetch the KV, then decode
+    ("import", tag, RequestState, TransferTicket, timeout_s, speculation)   # fetch the KV, then decode
     ("release", lease_id)                            # a handed-off request's KV was fetched (or is not needed)
     ("abort", tag)
     ("stats", token)
@@ -87,6 +87,7 @@ from loopstack.engine.seams.kv_transfer import (
     complete_import,
     export_state,
 )
+from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
 from loopstack.engine.text.grammar import InvalidGrammarError
 
@@ -384,12 +385,13 @@ class _ReplicaServer:
             self.conn.send(("handoff", tag, output, state, ticket))
         return kept
 
-    def _start_import(self, tag: int, state: RequestState, ticket: TransferTicket, timeout_s: float) -> None:
+    def _start_import(self, tag: int, state: RequestState, ticket: TransferTicket, timeout_s: float,
+                      speculation: SpeculationSpec | None = None) -> None:
         connector = self.connector
         try:
             if connector is None:
                 raise ValueError("this worker has no KV connector")
-            pending = begin_import(self.engine, state)
+            pending = begin_import(self.engine, state, speculation=speculation)
         except Exception as exc:
             self._send(("rejected", tag, error_type_paths(exc), str(exc)))
             return

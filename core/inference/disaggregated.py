@@ -1,0 +1,212 @@
+"""Prefill/decode disaggregation behind the router: one backend per prefill worker.
+
+The router picks the prefill worker as it picks any replica (by cache, through ``loopstack_route``,
+fed by the prefill workers' KV events); :class:`DisaggregatedBackend` runs the request there as
+prefill-only, yields its first token, and hands the request to the decode worker with the fewest
+open streams, which fetches the KV through the connector and streams the rest. The client sees one
+ordinary stream.
+
+Failures. Before the first token, a prefill worker that dies or hangs is the router's business
+(it takes the worker out and retries the request elsewhere). After it, the staged KV waits under
+its lease: a decode worker that fails to import it (died, its fetch broke) is replaced by another,
+up to ``import_attempts``, while the lease lives; when none can, or the lease ended, or a decode
+worker dies mid-stream, the stream ends with an error output saying so. Whatever happens, the
+lease is released when the stream ends (and a dead prefill worker's staging reclaimed), so every
+block comes back on both sides: the prefill engine's at hand-off, the decode engine's when its
+request ends or its import is abandoned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from loopstack.engine.capture import HiddenCapture
+from loopstack.engine.errors import EngineError
+from loopstack.engine.llm_engine import RequestOutput, Usage
+from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.seams.kv_connector import LeaseExpiredError, TransferError, TransferTicket
+from loopstack.engine.seams.replica_pool import ReplicaPool
+from loopstack.engine.seams.replica_worker import Handoff, Imported, ReplicaDiedError
+from loopstack.engine.seams.speculation import SpeculationSpec
+from loopstack.engine.sequence import FinishReason
+
+__all__ = ["DisaggregatedBackend", "DisaggregationOptions", "TransferLog"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DisaggregationOptions:
+    lease_s: float = 10.0  # how long a prefill worker keeps a handed-off request's KV staged
+    transfer_timeout_s: float = 10.0  # the most one fetch may take
+    import_attempts: int = 2  # decode workers tried for one hand-off (while its lease lives)
+
+
+@dataclass
+class TransferLog:
+    """What the coordinator saw of every hand-off (shared by the backends of one router)."""
+
+    num_handoffs: int = 0
+    num_imported: int = 0
+    num_import_retries: int = 0
+    num_failed: int = 0
+    num_reclaimed: int = 0  # staging of a dead prefill worker freed by the coordinator
+    bytes: list[int] = field(default_factory=list)  # per imported request
+    seconds: list[float] = field(default_factory=list)  # fetch time per imported request
+    handoff_seconds: list[float] = field(default_factory=list)  # first token out -> KV in on the decode side
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def failed(self, reason: str) -> None:
+        self.num_failed += 1
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def as_dict(self) -> dict[str, object]:
+        def mean(values: Sequence[float]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        return {"handoffs": self.num_handoffs, "imported": self.num_imported,
+                "import_retries": self.num_import_retries, "failed": self.num_failed,
+                "reclaimed": self.num_reclaimed, "failures": dict(self.failures),
+                "transfer_bytes_mean": mean(self.bytes), "transfer_seconds_mean": mean(self.seconds),
+                "handoff_seconds_mean": mean(self.handoff_seconds)}
+
+
+class DisaggregatedBackend:
+    """Prefill worker ``index`` of ``prefill``, handing its requests to the workers of ``decode``."""
+
+    publishes_kv_events = True
+
+    def __init__(self, prefill: ReplicaPool, index: int, decode: ReplicaPool, *,
+                 options: DisaggregationOptions | None = None, log: TransferLog | None = None,
+                 reclaim: Callable[[TransferTicket], None] = lambda ticket: None,
+                 ping_timeout_s: float = 5.0) -> None:
+        self.prefill = prefill
+        self.index = index
+        self.decode = decode
+        self.options = options or DisaggregationOptions()
+        self.log = log or TransferLog()
+        self.reclaim = reclaim
+        self.ping_timeout_s = ping_timeout_s
+
+    @property
+    def name(self) -> str:
+        return f"prefill-{self.index}"
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.prefill.replicas[self.index].pid}"
+
+    def is_up(self) -> bool:
+        return self.prefill.replicas[self.index].is_alive and any(r.is_alive for r in self.decode.replicas)
+
+    async def ping(self) -> bool:
+        return await self.prefill.ping(self.index, timeout=self.ping_timeout_s)
+
+    async def restart(self) -> bool:
+        await self.prefill.restart(self.index)
+        return True
+
+    async def stream(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
+        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if capture is not None:
+            raise ValueError("a hidden-state capture needs a colocated engine (disaggregation is on)")
+        handoff = None
+        prefill = self.prefill.prefill(prompt_token_ids, params, request_id=request_id, salt=salt,
+                                       lease_s=self.options.lease_s, replica_index=self.index)
+        async with prefill:
+            async for item in prefill:
+                if isinstance(item, Handoff):
+                    handoff = item
+                    break
+                yield item  # the first token ended it (EOS, a stop, max_tokens 1), or it failed
+        if handoff is None:
+            return
+        self.log.num_handoffs += 1
+        transfer = _Transfer(handoff, time.perf_counter())
+        yield dataclasses.replace(handoff.output, finished=False, finish_reason=None)
+        try:
+            async for output in self._decode(transfer, speculation):
+                yield output
+        finally:
+            self._release(transfer)
+
+    async def _decode(self, transfer: _Transfer, speculation: SpeculationSpec | None) -> AsyncIterator[RequestOutput]:
+        handoff = transfer.handoff
+        tried: set[int] = set()
+        error = "no decode worker is alive"
+        for attempt in range(self.options.import_attempts):
+            index = self._pick_decode(tried)
+            if index is None:
+                break
+            tried.add(index)
+            if attempt:
+                self.log.num_import_retries += 1
+            imported = False
+            stream = self.decode.import_stream(handoff.state, handoff.ticket,
+                                               timeout_s=self.options.transfer_timeout_s, replica_index=index,
+                                               speculation=speculation)
+            try:
+                async with stream:
+                    async for item in stream:
+                        if isinstance(item, Imported):
+                            imported = True
+                            self._imported(transfer, item)
+                            continue
+                        yield item
+                return
+            except LeaseExpiredError as exc:  # the KV is gone: no other decode worker can have it
+                self.log.failed("lease_expired")
+                yield _error(handoff, f"the KV transfer did not finish within its lease: {exc}")
+                return
+            except (TransferError, ReplicaDiedError, EngineError) as exc:
+                if imported:  # tokens came from this decode worker already: the response cannot go on
+                    self.log.failed("decode_died")
+                    yield _error(handoff, f"decode worker {index} failed mid-response: {exc}")
+                    return
+                error = f"decode worker {index}: {exc}"
+                logger.warning("request %s: %s; trying another decode worker", handoff.state.request_id, error)
+        self.log.failed("import_failed")
+        yield _error(handoff, f"the request could not be handed to a decode worker ({error})")
+
+    def _pick_decode(self, tried: set[int]) -> int | None:
+        """The live decode worker with the fewest open streams (not one tried already)."""
+        live = [r for r in self.decode.replicas if r.is_alive and r.index not in tried]
+        return min(live, key=lambda r: (r.num_in_flight, r.index)).index if live else None
+
+    def _imported(self, transfer: _Transfer, item: Imported) -> None:
+        self.log.num_imported += 1
+        self.log.bytes.append(item.stats.nbytes)
+        self.log.seconds.append(item.stats.seconds)
+        self.log.handoff_seconds.append(time.perf_counter() - transfer.handed_at)
+        self._release(transfer)  # fetched: the prefill worker may drop its staging now
+
+    def _release(self, transfer: _Transfer) -> None:
+        if transfer.released:
+            return
+        transfer.released = True
+        ticket = transfer.handoff.ticket
+        if self.prefill.replicas[self.index].is_alive:
+            self.prefill.release(self.index, ticket.lease_id)
+        else:
+            self.reclaim(ticket)
+            self.log.num_reclaimed += 1
+
+
+@dataclass
+class _Transfer:
+    handoff: Handoff
+    handed_at: float
+    released: bool = False
+
+
+def _error(handoff: Handoff, message: str) -> RequestOutput:
+    first = handoff.output
+    usage = Usage(first.usage.prompt_tokens, first.usage.cached_prompt_tokens, len(handoff.state.output_token_ids),
+                  first.usage.time_to_first_token_s)
+    return RequestOutput(first.request_id, [], "", True, FinishReason.ERROR, usage, error=message)
