@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -34,6 +35,15 @@ from loopstack.engine.seams.kv_connector import (
 __all__ = ["TcpConnector"]
 
 DEFAULT_CHUNK_BLOCKS = 32
+
+
+@dataclass
+class _Outgoing:
+    identity: bytes
+    lease_id: str
+    first: int
+    next: int
+    stop: int
 
 
 class TcpConnector(KVConnectorWorker):
@@ -117,32 +127,45 @@ class TcpConnector(KVConnectorWorker):
         return self._address
 
     def _server_loop(self, ready: threading.Event) -> None:
+        """Serve fetches, interleaved chunk by chunk (one slow or dead reader holds up no one)."""
         socket = self._zmq.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a reader that is gone raises: drop its transfer
         port = socket.bind_to_random_port(f"tcp://{self.host}")
         self._address = f"tcp://{self.host}:{port}"
         ready.set()
+        active: list[_Outgoing] = []
         try:
             while not self._stop.is_set():
-                if not socket.poll(100):
+                if socket.poll(0 if active else 100):
+                    identity, lease_id, first, stop = socket.recv_multipart()
+                    active.append(_Outgoing(identity, lease_id.decode(), int(first), int(first), int(stop)))
                     continue
-                identity, lease_id, first, stop = socket.recv_multipart()
-                self._answer(socket, identity, lease_id.decode(), int(first), int(stop))
+                active = [transfer for transfer in active if self._send_next(socket, transfer)]
+                if active and self.pause_between_chunks:
+                    time.sleep(self.pause_between_chunks)
         finally:
             socket.close()
 
-    def _answer(self, socket: zmq.Socket, identity: bytes, lease_id: str, first: int, stop: int) -> None:
-        for start in range(first, stop, self.chunk_blocks):
+    def _send_next(self, socket: zmq.Socket, transfer: _Outgoing) -> bool:
+        """Send ``transfer``'s next chunk (or its end); False once it is over."""
+        try:
+            if transfer.next >= transfer.stop:
+                socket.send_multipart([transfer.identity, b"done"])
+                return False
             with self._lock:  # the lease cannot end while its chunk is copied out
-                lease = self._leases.get(lease_id)
+                lease = self._leases.get(transfer.lease_id)
                 if lease is None or not lease.is_live(time.time()):
-                    socket.send_multipart([identity, b"expired" if start > first or lease is not None else b"unknown"])
-                    return
-                payload = lease.handle[:, :, start : min(start + self.chunk_blocks, stop)].contiguous().numpy().tobytes()
-            socket.send_multipart([identity, b"chunk", str(start).encode(), payload], copy=False)
-            if self.pause_between_chunks:
-                time.sleep(self.pause_between_chunks)
-        socket.send_multipart([identity, b"done"])
+                    began = transfer.next > transfer.first or lease is not None
+                    socket.send_multipart([transfer.identity, b"expired" if began else b"unknown"])
+                    return False
+                start, stop = transfer.next, min(transfer.next + self.chunk_blocks, transfer.stop)
+                payload = lease.handle[:, :, start:stop].contiguous().numpy().tobytes()
+            socket.send_multipart([transfer.identity, b"chunk", str(start).encode(), payload], copy=False)
+        except zmq.ZMQError:  # the reader is gone (EHOSTUNREACH): nobody to send the rest to
+            return False
+        transfer.next = stop
+        return True
 
     # -- decode side --------------------------------------------------------------------------------
 
@@ -165,7 +188,8 @@ class TcpConnector(KVConnectorWorker):
                     waited += 0.05
                     if cancelled():
                         raise TransferError(f"lease {ticket.lease_id}: the fetch was cancelled")
-                    if waited >= self.idle_timeout or time.perf_counter() - started > timeout:
+                    _check_time(ticket, started, timeout)
+                    if waited >= self.idle_timeout:
                         raise TransferError(f"lease {ticket.lease_id}: no data from {ticket.address} for "
                                             f"{waited:.1f} s (the prefill worker is gone or the link is down)")
                 frames = socket.recv_multipart()
@@ -184,6 +208,7 @@ class TcpConnector(KVConnectorWorker):
                 nbytes += len(payload)
                 if cancelled():
                     raise TransferError(f"lease {ticket.lease_id}: the fetch was cancelled")
+                _check_time(ticket, started, timeout)
         except TransferError as exc:
             self.stats.num_fetch_failures += 1
             self.stats.failures[type(exc).__name__] = self.stats.failures.get(type(exc).__name__, 0) + 1
@@ -195,3 +220,8 @@ class TcpConnector(KVConnectorWorker):
         self.stats.bytes_fetched += nbytes
         self.stats.fetch_seconds += seconds
         return TransferStats(nbytes, seconds, num_chunks)
+
+
+def _check_time(ticket: TransferTicket, started: float, timeout: float) -> None:
+    if time.perf_counter() - started > timeout:
+        raise TransferError(f"lease {ticket.lease_id}: the fetch took over {timeout} s")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
 import time
 
 import pytest
@@ -120,3 +121,191 @@ def test_no_shared_memory_is_left_behind(model_dir):
     finally:
         router.shutdown()
     assert not [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("lsk")]
+
+
+# -- failures ------------------------------------------------------------------------------------
+# A larger random model (prefill of a 400-token prompt takes tens of ms on one thread) and a slow TCP
+# link (a pause after every chunk of 4 blocks: about 1.5 s for 100 blocks) make each stage last long
+# enough to act inside it; each test waits for the stage (by the workers' statistics) before it acts.
+
+LONG = list(range(20, 220)) * 2  # 400 tokens: 100 blocks of 4
+SLOW_TCP = functools.partial(TcpConnector, chunk_blocks=4, pause_between_chunks=0.06, idle_timeout=1.0)
+
+
+@pytest.fixture(scope="module")
+def slow_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slow")
+    model = build_tiny_model(vocab_size=260, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=8,
+                             num_kv_heads=2, head_dim=32)
+    save_hf_directory(model, directory, tokenizer_json=tiny_tokenizer_json())
+    return str(directory)
+
+
+def start_slow(model_dir, *, connector=SLOW_TCP, prefill_workers=1, decode_workers=1, **options):
+    topology = Disaggregated(prefill_workers, decode_workers, connector, DisaggregationOptions(**options),
+                             threads_per_worker=1)
+    engine = EngineOptions(block_size=4, num_kv_blocks=512, max_num_batched_tokens=32)
+    return start_disaggregated_router(model_dir, topology, engine, dtype="float32")
+
+
+def wait_for(router, pool, predicate, timeout=20.0):
+    """Poll a pool's statistics (on the router loop) until ``predicate(stats)``; return them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = router.loop.run(pool.statistics())
+        if predicate(stats):
+            return stats
+        time.sleep(0.005)
+    raise AssertionError("the stage never came")
+
+
+def assert_all_back(router):
+    live, busy = settled(router)
+    assert not busy, busy
+
+
+async def abort_when(router, prompt, stage) -> list[int]:
+    """Stream ``prompt`` and drop the stream once ``stage()`` (run in a thread) says so."""
+    tokens: list[int] = []
+    stream = router.stream(prompt, GREEDY)
+    watcher = asyncio.create_task(asyncio.to_thread(stage))
+    consumer = asyncio.create_task(_consume(stream, tokens))
+    await asyncio.wait({watcher, consumer}, return_when=asyncio.FIRST_COMPLETED)
+    consumer.cancel()
+    await asyncio.gather(consumer, return_exceptions=True)
+    await stream.aclose()
+    await watcher
+    return tokens
+
+
+async def _consume(stream, tokens):
+    async for output in stream:
+        tokens += output.new_token_ids
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefilling", "transferring", "decoding"])
+def test_an_abort_at_any_stage_frees_every_block_on_both_sides(slow_model_dir, stage):
+    router = start_slow(slow_model_dir)
+    view = router.disaggregation
+    try:
+        if stage == "queued":  # two long prompts ahead of it in a one-by-one prefill budget
+            async def scenario():
+                ahead = [asyncio.create_task(collect(router, LONG[i:] + LONG[:i])) for i in (1, 2)]
+                tokens = await abort_when(router, LONG, lambda: wait_for(
+                    router, view.prefill, lambda s: s[0].num_waiting >= 1))
+                await asyncio.gather(*ahead)
+                return tokens
+        elif stage == "prefilling":
+            async def scenario():
+                return await abort_when(router, LONG, lambda: wait_for(
+                    router, view.prefill, lambda s: s[0].num_running == 1))
+        elif stage == "transferring":
+            async def scenario():
+                return await abort_when(router, LONG, lambda: wait_for(
+                    router, view.decode, lambda s: s[0].num_importing == 1))
+        else:
+            async def scenario():
+                return await abort_when(router, LONG, lambda: wait_for(
+                    router, view.decode, lambda s: s[0].num_running == 1))
+        tokens = run(router, scenario())
+        assert len(tokens) < GREEDY.max_tokens
+        assert_all_back(router)
+        assert len(router.loop.run(view.decode.statistics())) == 1
+    finally:
+        router.shutdown()
+
+
+def test_a_transfer_over_its_timeout_fails_the_request_with_both_sides_freed(slow_model_dir):
+    router = start_slow(slow_model_dir, transfer_timeout_s=0.3, lease_s=30)
+    try:
+        tokens, last = run(router, collect(router, LONG))
+        assert len(tokens) == 1 and last.finish_reason is FinishReason.ERROR
+        assert "could not be handed to a decode worker" in last.error and "took over 0.3 s" in last.error
+        assert_all_back(router)
+    finally:
+        router.shutdown()
+
+
+def test_a_lease_that_ends_mid_transfer_fails_the_request_and_nothing_of_it_is_used(slow_model_dir):
+    router = start_slow(slow_model_dir, lease_s=0.4, transfer_timeout_s=30)
+    try:
+        tokens, last = run(router, collect(router, LONG))
+        assert len(tokens) == 1 and last.finish_reason is FinishReason.ERROR and "lease" in last.error
+        assert router.disaggregation.log.failures == {"lease_expired": 1}
+        assert_all_back(router)
+        [prefill] = router.loop.run(router.disaggregation.prefill.statistics())
+        assert prefill.connector["num_expired"] == 1 and prefill.connector["num_released"] == 0
+    finally:
+        router.shutdown()
+
+
+def test_a_killed_prefill_worker_is_retried_on_another(slow_model_dir):
+    router = start_slow(slow_model_dir, connector=SharedMemoryConnector, prefill_workers=2)
+    view = router.disaggregation
+    try:
+        expected = run(router, collect(router, LONG))[0]
+
+        async def scenario():
+            task = asyncio.create_task(collect(router, LONG[3:]))
+            stats = await asyncio.to_thread(wait_for, router, view.prefill,
+                                            lambda s: any(r.num_running for r in s))
+            victim = next(r.index for r in stats if r.num_running)
+            os.kill(view.prefill.replicas[victim].pid, signal.SIGKILL)
+            return victim, await task
+
+        victim, (tokens, last) = run(router, scenario())
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == GREEDY.max_tokens
+        assert tokens == expected and router.statistics().num_retries == 1  # retried from scratch, same output
+        live, busy = settled(router)
+        assert not busy and len(live) >= 2  # the survivor and the decode worker (the victim may be back)
+    finally:
+        router.shutdown()
+
+
+def test_a_decode_worker_killed_mid_transfer_is_replaced_and_one_killed_mid_stream_fails_the_request(slow_model_dir):
+    router = start_slow(slow_model_dir, decode_workers=2, lease_s=30)
+    view = router.disaggregation
+    try:
+        async def kill_decode(predicate):
+            stats = await asyncio.to_thread(wait_for, router, view.decode, predicate)
+            victim = next(r.index for r in stats if predicate([r]))
+            os.kill(view.decode.replicas[victim].pid, signal.SIGKILL)
+
+        async def mid_transfer():
+            task = asyncio.create_task(collect(router, LONG))
+            await kill_decode(lambda s: any(r.num_importing for r in s))
+            return await task
+
+        tokens, last = run(router, mid_transfer())  # the staged KV waits under its lease: the other one takes it
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == GREEDY.max_tokens
+        assert router.disaggregation.log.num_import_retries == 1
+
+        async def mid_stream():
+            task = asyncio.create_task(collect(router, LONG[5:]))
+            await kill_decode(lambda s: any(r.num_running for r in s))
+            return await task
+
+        tokens, last = run(router, mid_stream())
+        assert last.finish_reason is FinishReason.ERROR and "failed mid-response" in last.error
+        assert_all_back(router)
+    finally:
+        router.shutdown()
+
+
+def test_a_transfer_broken_midway_by_a_dead_prefill_worker_fails_cleanly(slow_model_dir):
+    router = start_slow(slow_model_dir, lease_s=30, import_attempts=1)
+    view = router.disaggregation
+    try:
+        async def scenario():
+            task = asyncio.create_task(collect(router, LONG))
+            await asyncio.to_thread(wait_for, router, view.decode, lambda s: s[0].num_importing == 1)
+            os.kill(view.prefill.replicas[0].pid, signal.SIGKILL)
+            return await task
+
+        tokens, last = run(router, scenario())
+        assert len(tokens) == 1 and last.finish_reason is FinishReason.ERROR
+        assert "no data" in last.error
+        [decode] = router.loop.run(view.decode.statistics())
+        assert decode.blocks.num_used_blocks == 0 and decode.num_importing == 0
+    finally:
+        router.shutdown()
