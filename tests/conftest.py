@@ -12,7 +12,7 @@ import pytest
 
 from loopstack import PluginCatalog
 from loopstack.api.server import ServerThread, build_state, close_state
-from tests.support import Recorder
+from tests.support import Recorder, Unfinished
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +32,7 @@ def catalog() -> PluginCatalog:
     Recorder.calls = []
     found = PluginCatalog.discover(use_entry_points=False, env={})
     found.add_plugin(Recorder, source="tests")
+    found.add_plugin(Unfinished, source="tests")
     return found
 
 

@@ -18,6 +18,15 @@ class RecorderConfig(PluginConfig):
     weight: int = Field(1, ge=0, le=10)
 
 
+class Unfinished(Plugin):
+    """A test plugin declared but not implemented (``implemented = False``): stacks may enable it,
+    the runtime skips it with a warning."""
+
+    name = "unfinished"
+    layers = (Layer.INFERENCE,)
+    implemented = False
+
+
 class Recorder(Plugin):
     """A test plugin that records every hook call on a shared list."""
 

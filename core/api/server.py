@@ -76,6 +76,20 @@ def router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router
     )
 
 
+def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of: Callable[[], Any]) -> Router:
+    """A router over the prefill and decode workers a ``loopstack_topology`` answer asks for."""
+    from loopstack.engine.device import resolve_device
+    from loopstack.inference.fleet import start_disaggregated_router
+
+    if table.remote:
+        raise ValueError("[engine] remote servers and a disaggregated topology do not mix: disaggregation runs "
+                         "embedded workers (turn [plugins.disaggregation] off, or remove [engine] remote)")
+    return start_disaggregated_router(
+        table.model, topology, engine_options(table), device=str(resolve_device(table.device)), dtype=table.dtype,
+        quantization=table.quantization, native_decode=table.native_decode, hooks_of=hooks_of,
+    )
+
+
 def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, engine: Any = None,
                 store_path: str | Path | None = None) -> ServerState:
     """Load the stack, start its engine (unless one is given), open the store."""
@@ -85,7 +99,10 @@ def build_state(stack_ref: str | Path, *, catalog: PluginCatalog | None = None, 
 def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | None = None) -> ServerState:
     """Serve the stack ``live`` holds: start its engine (unless one is given), open the store."""
     stack = live.current.stack
-    if engine is None and stack.engine.remote:
+    topology = live.current.hooks.topology(stack.engine) if engine is None else None
+    if topology is not None:
+        engine = disaggregated_router_from_table(stack.engine, topology, lambda: live.current.hooks)
+    elif engine is None and stack.engine.remote:
         engine = remote_router_from_table(stack.engine, lambda: live.current.hooks)
     elif engine is None and stack.engine.replicas > 1:
         engine = router_from_table(stack.engine, lambda: live.current.hooks)

@@ -114,10 +114,8 @@ class DisaggregatedBackend:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
         capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        if capture is not None:
-            raise ValueError("a hidden-state capture needs a colocated engine (disaggregation is on)")
         handoff = None
-        prefill = self.prefill.prefill(prompt_token_ids, params, request_id=request_id, salt=salt,
+        prefill = self.prefill.prefill(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
                                        lease_s=self.options.lease_s, replica_index=self.index)
         async with prefill:
             async for item in prefill:

@@ -115,7 +115,7 @@ def start_disaggregated_router(
     ready = prefill.replicas + decode.replicas
     router = Router(
         backends, tokenizer=tokenizer, max_model_len=min(info.max_model_len or 0 for info in ready),
-        block_size=options.block_size, loop=loop, hidden_state_model=None, hooks_of=hooks_of,
+        block_size=options.block_size, loop=loop, hidden_state_model=prefill.hidden_state_model, hooks_of=hooks_of,
         options=router_options or RouterOptions(), on_close=close,
     )
     router.disaggregation = DisaggregationView(prefill, decode, log)

@@ -44,10 +44,15 @@ def test_enabled_plugin_is_configured_called_and_composed(catalog, write_stack):
     assert Recorder.calls == [("configure", "x"), ("prepare_request", "x"), ("unconfigure", "x")]
 
 
-def test_unimplemented_plugins_are_skipped(catalog):
+def test_unimplemented_plugins_are_skipped(catalog, write_stack):
+    runtime = runtime_for(catalog, write_stack, "[plugins.unfinished]\nenabled = true\n[plugins.spec_decode]\nenabled = true\n")
+    assert runtime.skipped == ["unfinished"]
+    assert not runtime.context().enabled("unfinished") and runtime.context().enabled("spec_decode")
+
+
+def test_every_built_in_plugin_of_the_full_stack_runs(catalog):
     runtime = StackRuntime(StackLoader(catalog).load("full"), catalog)
-    assert "disaggregation" in runtime.skipped and "spec_decode" not in runtime.skipped
-    assert not runtime.context().enabled("disaggregation") and runtime.context().enabled("spec_decode")
+    assert runtime.skipped == [] and runtime.context().enabled("disaggregation")
 
 
 AB_STACK = """

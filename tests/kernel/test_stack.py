@@ -207,7 +207,7 @@ def test_missing_stack_file(catalog, tmp_path):
 
 
 def test_unimplemented_plugin_is_a_warning(catalog, write_stack):
-    stack = load(catalog, write_stack("s", "[plugins.disaggregation]\nenabled = true\n"))
+    stack = load(catalog, write_stack("s", "[plugins.unfinished]\nenabled = true\n"))
     assert any("not implemented yet" in w for w in stack.warnings)
 
 

@@ -400,15 +400,16 @@ class ReplicaPool:
 
     def prefill(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str = "",
-        lease_s: float = 10.0, replica_index: int,
+        capture: HiddenCapture | None = None, lease_s: float = 10.0, replica_index: int,
     ) -> ReplicaStream:
         """The prefill half of a disaggregated request on worker ``replica_index`` (a pool with a
         connector): its outputs, then one :class:`~loopstack.engine.seams.replica_worker.Handoff`
         (its first token, its state, the ticket of its KV staged under a lease of ``lease_s``
-        seconds) unless the first token ended it (EOS, a stop, ``max_tokens`` 1)."""
+        seconds) unless the first token ended it (EOS, a stop, ``max_tokens`` 1). A ``capture`` is
+        taken there, in the prefill, and arrives on an output as in :meth:`stream`."""
         self._check_running()
         return ReplicaStream(self, self._replicas[replica_index], request_id, [], params, salt, message=(
-            "prefill", request_id, list(prompt_token_ids), params, salt, lease_s))
+            "prefill", request_id, list(prompt_token_ids), params, salt, capture, lease_s))
 
     def import_stream(self, state: RequestState, ticket: TransferTicket, *, timeout_s: float,
                       replica_index: int, speculation: SpeculationSpec | None = None) -> ReplicaStream:

