@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.applications import Starlette
@@ -33,8 +34,20 @@ async def healthz(request: Request) -> Response:
 
 @handles_errors
 async def metrics(request: Request) -> Response:
-    return PlainTextResponse(state_of(request).live.metrics.render_prometheus(),
-                             media_type="text/plain; version=0.0.4")
+    state = state_of(request)
+    text = state.live.metrics.render_prometheus() + await engine_gauges(state.engine)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def engine_gauges(engine: object) -> str:
+    """Gauges the engine offers now (a disaggregated router: its workers and hand-offs), as text."""
+    view = getattr(engine, "disaggregation", None)
+    if view is None:
+        return ""
+    from loopstack.inference.disaggregated import render_gauges
+
+    gauges = await asyncio.wrap_future(engine.loop.submit(view.gauges()))  # type: ignore[attr-defined]
+    return render_gauges(gauges)
 
 
 @handles_errors

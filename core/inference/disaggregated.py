@@ -18,11 +18,13 @@ request ends or its import is abandoned.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.errors import EngineError
@@ -34,7 +36,8 @@ from loopstack.engine.seams.replica_worker import Handoff, Imported, ReplicaDied
 from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
 
-__all__ = ["DisaggregatedBackend", "DisaggregationOptions", "TransferLog"]
+__all__ = ["DisaggregatedBackend", "DisaggregationOptions", "DisaggregationView", "Gauge", "TransferLog",
+           "render_gauges"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +204,86 @@ class _Transfer:
     handoff: Handoff
     handed_at: float
     released: bool = False
+
+
+class Gauge(NamedTuple):
+    name: str
+    help: str
+    labels: dict[str, str]
+    value: float
+
+
+class DisaggregationView(NamedTuple):
+    """A disaggregated router's two pools and its transfer log (``router.disaggregation``)."""
+
+    prefill: ReplicaPool
+    decode: ReplicaPool
+    log: TransferLog
+
+    async def gauges(self) -> list[Gauge]:
+        """Every worker's queue depth, blocks and leases, and the hand-off totals, now (on the
+        router loop: the pools belong to it). Served on ``/metrics`` as gauges."""
+        prefill, decode = await asyncio.gather(self.prefill.statistics(), self.decode.statistics())
+        out: list[Gauge] = []
+        for role, stats in (("prefill", prefill), ("decode", decode)):
+            for s in stats:
+                labels = {"role": role, "worker": str(s.index)}
+                out += [
+                    Gauge("loopstack_disagg_worker_up", "1 while the worker process is alive", labels, float(s.is_alive)),
+                    Gauge("loopstack_disagg_queue_waiting", "requests waiting in the worker's scheduler", labels,
+                          float(s.num_waiting)),
+                    Gauge("loopstack_disagg_queue_running", "requests running in the worker's engine", labels,
+                          float(s.num_running)),
+                    Gauge("loopstack_disagg_kv_blocks_used", "KV blocks in use in the worker's engine", labels,
+                          float(s.blocks.num_used_blocks if s.blocks else 0)),
+                    Gauge("loopstack_disagg_imports_in_flight", "imports whose KV is on its way", labels,
+                          float(s.num_importing)),
+                ]
+                connector = s.connector or {}
+                if role == "prefill":
+                    out += [
+                        Gauge("loopstack_disagg_leases_held", "handed-off requests whose KV is staged under a lease",
+                              labels, float(connector.get("leases_held", 0))),
+                        Gauge("loopstack_disagg_blocks_held", "KV blocks staged under a live lease", labels,
+                              float(connector.get("blocks_held", 0))),
+                        Gauge("loopstack_disagg_lease_expiries", "leases that ended by their deadline", labels,
+                              float(connector.get("num_expired", 0))),
+                        Gauge("loopstack_disagg_bytes_offered", "KV bytes staged for transfer", labels,
+                              float(connector.get("bytes_offered", 0))),
+                    ]
+                else:
+                    out += [
+                        Gauge("loopstack_disagg_bytes_fetched", "KV bytes fetched", labels,
+                              float(connector.get("bytes_fetched", 0))),
+                        Gauge("loopstack_disagg_fetch_seconds", "seconds spent fetching KV", labels,
+                              float(connector.get("fetch_seconds", 0.0))),
+                        Gauge("loopstack_disagg_fetch_failures", "fetches that failed", labels,
+                              float(connector.get("num_fetch_failures", 0))),
+                    ]
+        log = self.log
+        out += [Gauge("loopstack_disagg_handoffs", "requests handed from a prefill to a decode worker", {},
+                      float(log.num_handoffs)),
+                Gauge("loopstack_disagg_imported", "hand-offs whose KV reached a decode worker", {}, float(log.num_imported)),
+                Gauge("loopstack_disagg_import_retries", "hand-offs tried on another decode worker", {},
+                      float(log.num_import_retries)),
+                Gauge("loopstack_disagg_transfer_bytes", "KV bytes moved, all requests", {}, float(sum(log.bytes))),
+                Gauge("loopstack_disagg_transfer_seconds", "KV fetch seconds, all requests", {}, float(sum(log.seconds)))]
+        out += [Gauge("loopstack_disagg_failed", "hand-offs that failed, by reason", {"reason": reason}, float(count))
+                for reason, count in sorted(log.failures.items())]
+        return out
+
+
+def render_gauges(gauges: Sequence[Gauge]) -> str:
+    """Prometheus text lines of ``gauges`` (one HELP/TYPE per name)."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for gauge in gauges:
+        if gauge.name not in seen:
+            seen.add(gauge.name)
+            lines += [f"# HELP {gauge.name} {gauge.help}", f"# TYPE {gauge.name} gauge"]
+        labels = ",".join(f'{key}="{value}"' for key, value in gauge.labels.items())
+        lines.append(f"{gauge.name}{{{labels}}} {gauge.value:g}" if labels else f"{gauge.name} {gauge.value:g}")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def _error(handoff: Handoff, message: str) -> RequestOutput:

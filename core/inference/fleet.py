@@ -21,7 +21,7 @@ from loopstack.engine.llm_engine import EngineOptions
 from loopstack.engine.loaders import load_tokenizer
 from loopstack.engine.seams.replica_pool import ReplicaPool
 from loopstack.inference.backends import EmbeddedBackend
-from loopstack.inference.disaggregated import DisaggregatedBackend, TransferLog
+from loopstack.inference.disaggregated import DisaggregatedBackend, DisaggregationView, TransferLog
 from loopstack.inference.loop_thread import LoopThread
 from loopstack.inference.remote import RemoteBackend
 from loopstack.inference.router import Router, RouterOptions
@@ -130,14 +130,6 @@ def start_disaggregated_router(
             logger.info("%s worker %d: pid %s, %s KV blocks, %d threads", pool.role, info.index, info.pid,
                         info.num_kv_blocks, threads)
     return router
-
-
-class DisaggregationView(NamedTuple):
-    """What a disaggregated router exposes for metrics and tests: its two pools and its transfer log."""
-
-    prefill: ReplicaPool
-    decode: ReplicaPool
-    log: TransferLog
 
 
 def _num_cpus() -> int:

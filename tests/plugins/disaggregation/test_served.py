@@ -41,16 +41,22 @@ def answers(tmp_path, enabled, connector="shm"):
                                                               "max_output_tokens": 32})
                 assert response.status_code == 200, response.text
                 texts.append(response.json()["output"][0]["content"][0]["text"])
+            metrics = client.get("/metrics").text
         log = state.engine.disaggregation.log if kind == "disaggregated" else None
-        return kind, texts, log
+        return kind, texts, log, metrics
     finally:
         server.stop()
         close_state(state)
 
 
 def test_served_disaggregated_answers_equal_colocated(tmp_path):
-    kind, colocated, _ = answers(tmp_path, False)
-    assert kind == "colocated"
-    kind, disaggregated, log = answers(tmp_path, True, "tcp")
+    kind, colocated, _, metrics = answers(tmp_path, False)
+    assert kind == "colocated" and "loopstack_disagg" not in metrics
+    kind, disaggregated, log, metrics = answers(tmp_path, True, "tcp")
     assert kind == "disaggregated" and disaggregated == colocated
     assert log.num_imported == len(QUESTIONS) and log.num_failed == 0
+    assert f"loopstack_disagg_imported {len(QUESTIONS)}" in metrics
+    assert 'loopstack_disagg_kv_blocks_used{role="prefill",worker="0"} 0' in metrics
+    assert 'loopstack_disagg_leases_held{role="prefill",worker="0"} 0' in metrics
+    fetched = next(line for line in metrics.splitlines() if line.startswith("loopstack_disagg_bytes_fetched{"))
+    assert float(fetched.split()[-1]) > 0
