@@ -62,6 +62,7 @@ class TransferLog:
     seconds: list[float] = field(default_factory=list)  # fetch time per imported request
     handoff_seconds: list[float] = field(default_factory=list)  # first token out -> KV in on the decode side
     failures: dict[str, int] = field(default_factory=dict)
+    restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # decode restarts, one backend at a time
 
     def failed(self, reason: str) -> None:
         self.num_failed += 1
@@ -110,7 +111,15 @@ class DisaggregatedBackend:
         return await self.prefill.ping(self.index, timeout=self.ping_timeout_s)
 
     async def restart(self) -> bool:
-        await self.prefill.restart(self.index)
+        """Restart this prefill worker if it died, and every dead decode worker (one backend at a
+        time: the decode workers are shared)."""
+        if not self.prefill.replicas[self.index].is_alive:
+            await self.prefill.restart(self.index)
+        async with self.log.restart_lock:
+            for replica in self.decode.replicas:
+                if not replica.is_alive:
+                    logger.info("restarting decode worker %d", replica.index)
+                    await self.decode.restart(replica.index)
         return True
 
     async def stream(

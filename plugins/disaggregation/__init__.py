@@ -7,8 +7,21 @@ one host) and :mod:`.tcp` (ZeroMQ over TCP), behind the engine's connector inter
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from loopstack.hookspecs import hookimpl
 from loopstack.plugins.disaggregation.plugin import Disaggregation, DisaggregationConfig
+
+if TYPE_CHECKING:
+    from loopstack.bench.workload import Workload
 
 __all__ = ["PLUGIN", "Disaggregation", "DisaggregationConfig"]
 
 PLUGIN = Disaggregation
+
+
+@hookimpl
+def loopstack_bench_workloads() -> list[Workload]:
+    from loopstack.plugins.disaggregation.bench.workload import DisaggWorkload
+
+    return [DisaggWorkload()]

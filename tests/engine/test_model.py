@@ -47,6 +47,21 @@ def test_mixed_batch_matches_each_sequence_alone(tiny_model, paged_runner):
         torch.testing.assert_close(row, alone[key], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_ragged_batch_with_a_decode_matches_the_dense_reference(make_tiny_model, paged_runner, reference_forward,
+                                                                  window):
+    """A decode, a prefill chunk over its cached past and a fresh prefill in one step: each
+    sequence attends over exactly its own context (the ragged path), with a sliding window too."""
+    model = make_tiny_model(sliding_window=window)
+    runner = paged_runner(model)
+    runner.step({"d": PROMPT[:12], "c": PROMPT[::-1][:6]})
+    rows = runner.step({"d": PROMPT[12:13], "c": PROMPT[::-1][6:14], "f": PROMPT[2:9]})
+    expected = [reference_forward(model, PROMPT[:13])[-1], reference_forward(model, PROMPT[::-1][:14])[-1],
+                reference_forward(model, PROMPT[2:9])[-1]]
+    for row, want in zip(rows, expected, strict=True):
+        torch.testing.assert_close(row, want, atol=ATOL, rtol=0)
+
+
 def test_batched_decode_matches_each_sequence_alone(tiny_model, paged_runner, reference_forward):
     prompts = {"a": PROMPT[:3], "b": PROMPT[:10], "c": PROMPT[4:17]}
     runner = paged_runner(tiny_model)

@@ -276,12 +276,47 @@ def paged_attention(
             q_grouped, k_ctx, v_ctx, attn_mask=mask.expand(num_seqs, 1, group, mask.shape[-1]), scale=scale,
         )  # [B, Hkv, G, D]
         return out.reshape(num_seqs, num_heads, head_dim)
+    if not meta.has_uniform_queries:
+        return _attend_each(q, kv_slots, meta, mask, scale)
     q_pad = q.view(num_seqs, -1, num_heads, head_dim) if meta.has_uniform_queries else q[meta.query_index]
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k_ctx, v_ctx, attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * Q, H, D]
     return out if meta.has_uniform_queries else out[meta.output_index]
+
+
+def _attend_each(
+    q: torch.Tensor, kv_slots: torch.Tensor, meta: AttentionMetadata, mask: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Attention of a ragged batch (a chunked prefill next to decodes, say), one sequence at a time:
+    each over exactly its own context. Padding every sequence to the longest query and context
+    instead costs the batch ``B * max_query * max_context`` scores, many times the real ones
+    (a 512-token chunk beside two decodes: three chunks' worth)."""
+    num_heads, num_kv_heads, head_dim = q.shape[1], kv_slots.shape[2], kv_slots.shape[3]
+    group = num_heads // num_kv_heads
+    block_size = meta.block_size
+    blocks = kv_slots.view(2, -1, block_size, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        num_blocks = -(-context_len // block_size)
+        context = blocks.index_select(1, meta.block_tables[i, :num_blocks])  # [2, n, bs, Hkv, D]
+        k, v = context.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len].transpose(1, 2)
+        rows = q[start : start + query_len]
+        if query_len == 1:  # a decode: the queries sharing a KV head are its rows (the mask: a window)
+            attended = F.scaled_dot_product_attention(
+                rows.view(1, num_kv_heads, group, head_dim), k[None], v[None],
+                attn_mask=mask[i : i + 1, :, :1, :context_len], scale=scale,
+            ).view(1, num_heads, head_dim)
+        else:
+            attended = F.scaled_dot_product_attention(
+                rows.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[i : i + 1, :, :query_len, :context_len],
+                scale=scale, enable_gqa=True,
+            )[0].transpose(0, 1)
+        out[start : start + query_len] = attended
+        start += query_len
+    return out
 
 
 def _gather_context(kv_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
