@@ -47,6 +47,11 @@ class DisaggregationOptions:
     lease_s: float = 10.0  # how long a prefill worker keeps a handed-off request's KV staged
     transfer_timeout_s: float = 10.0  # the most one fetch may take
     import_attempts: int = 2  # decode workers tried for one hand-off (while its lease lives)
+    # a mixed pool (as Splitwise's): when a prefill worker has more than this many prompt tokens
+    # queued, a new request is prefilled and decoded on a decode worker instead, in chunks of
+    # decode_chunk_tokens per step there (so its decodes keep a short step); 0: never
+    overflow_tokens: int = 0
+    decode_chunk_tokens: int = 64
 
 
 @dataclass
@@ -63,6 +68,9 @@ class TransferLog:
     handoff_seconds: list[float] = field(default_factory=list)  # first token out -> KV in on the decode side
     failures: dict[str, int] = field(default_factory=dict)
     restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # decode restarts, one backend at a time
+    num_overflowed: int = 0  # requests served whole by a decode worker (a mixed pool)
+    prefill_backlog: dict[int, int] = field(default_factory=dict)  # prefill worker -> prompt tokens queued
+    decode_backlog: dict[int, int] = field(default_factory=dict)  # decode worker -> overflow prompt tokens queued
 
     def failed(self, reason: str) -> None:
         self.num_failed += 1
@@ -72,7 +80,7 @@ class TransferLog:
         def mean(values: Sequence[float]) -> float:
             return sum(values) / len(values) if values else 0.0
 
-        return {"handoffs": self.num_handoffs, "imported": self.num_imported,
+        return {"handoffs": self.num_handoffs, "imported": self.num_imported, "overflowed": self.num_overflowed,
                 "import_retries": self.num_import_retries, "failed": self.num_failed,
                 "reclaimed": self.num_reclaimed, "failures": dict(self.failures),
                 "transfer_bytes_mean": mean(self.bytes), "transfer_seconds_mean": mean(self.seconds),
@@ -126,15 +134,34 @@ class DisaggregatedBackend:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
         capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        overflow = self._overflow_to(len(prompt_token_ids))
+        if overflow is not None:
+            served = False
+            try:
+                async for output in self._colocated(overflow, prompt_token_ids, params, request_id, salt, capture,
+                                                    speculation):
+                    served = True
+                    yield output
+                return
+            except (ReplicaDiedError, EngineError) as exc:
+                if served or isinstance(exc, (ValueError, TypeError)):
+                    raise
+                logger.warning("request %s: decode worker %d: %s; prefilling it on %s instead", request_id,
+                               overflow, exc, self.name)
         handoff = None
+        backlog = self.log.prefill_backlog
+        backlog[self.index] = backlog.get(self.index, 0) + len(prompt_token_ids)
         prefill = self.prefill.prefill(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
                                        lease_s=self.options.lease_s, replica_index=self.index)
-        async with prefill:
-            async for item in prefill:
-                if isinstance(item, Handoff):
-                    handoff = item
-                    break
-                yield item  # the first token ended it (EOS, a stop, max_tokens 1), or it failed
+        try:
+            async with prefill:
+                async for item in prefill:
+                    if isinstance(item, Handoff):
+                        handoff = item
+                        break
+                    yield item  # the first token ended it (EOS, a stop, max_tokens 1), or it failed
+        finally:
+            backlog[self.index] -= len(prompt_token_ids)
         if handoff is None:
             return
         self.log.num_handoffs += 1
@@ -183,6 +210,39 @@ class DisaggregatedBackend:
                 logger.warning("request %s: %s; trying another decode worker", handoff.state.request_id, error)
         self.log.failed("import_failed")
         yield _error(handoff, f"the request could not be handed to a decode worker ({error})")
+
+    def _overflow_to(self, num_prompt_tokens: int) -> int | None:
+        """The decode worker to serve a request whole when this prefill worker is backlogged past
+        ``overflow_tokens`` and that worker's own overflow queue is shorter; else None."""
+        limit = self.options.overflow_tokens
+        queued = self.log.prefill_backlog.get(self.index, 0)
+        if not limit or queued <= limit:
+            return None
+        index = self._pick_decode(set())
+        if index is None or self.log.decode_backlog.get(index, 0) + num_prompt_tokens > queued:
+            return None
+        return index
+
+    async def _colocated(self, index: int, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                         salt: str, capture: HiddenCapture | None,
+                         speculation: SpeculationSpec | None) -> AsyncIterator[RequestOutput]:
+        """Serve the request whole on decode worker ``index`` (its prefill chunked small there)."""
+        self.log.num_overflowed += 1
+        backlog = self.log.decode_backlog
+        backlog[index] = backlog.get(index, 0) + len(prompt_token_ids)
+        pending = True
+        try:
+            stream = self.decode.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
+                                        speculation=speculation, replica_index=index)
+            async with stream:
+                async for output in stream:
+                    if pending:
+                        pending = False
+                        backlog[index] -= len(prompt_token_ids)
+                    yield output
+        finally:
+            if pending:
+                backlog[index] -= len(prompt_token_ids)
 
     def _pick_decode(self, tried: set[int]) -> int | None:
         """The live decode worker with the fewest open streams (not one tried already)."""

@@ -12,6 +12,7 @@ A replica that does not answer its first ping starts out of rotation and joins o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -93,7 +94,12 @@ def start_disaggregated_router(
     common = {"device": device, "dtype": dtype, "quantization": quantization, "native_decode": native_decode,
               "threads_per_replica": threads, "connector": topology.connector}
     prefill = ReplicaPool(model, topology.prefill_workers, options, role="prefill", **common)  # type: ignore[arg-type]
-    decode = ReplicaPool(model, topology.decode_workers, options, role="decode", **common)  # type: ignore[arg-type]
+    decode_options = options
+    if topology.options.overflow_tokens:  # decode workers then prefill too: in small chunks, beside their decodes
+        decode_options = dataclasses.replace(options, max_num_batched_tokens=max(
+            16, min(options.max_num_batched_tokens, topology.options.decode_chunk_tokens)))
+    decode = ReplicaPool(model, topology.decode_workers, decode_options, role="decode",
+                         **common)  # type: ignore[arg-type]
 
     async def start() -> None:
         await asyncio.gather(prefill.start(timeout=start_timeout_s), decode.start(timeout=start_timeout_s))

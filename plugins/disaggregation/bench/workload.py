@@ -2,7 +2,9 @@
 
 Columns: ``colocated`` — one engine process with every core (chunked prefill: long prompts share
 steps with the decodes); ``disaggregated`` — one prefill and one decode worker with one core each
-(``-o connector=shm|tcp``); ``faults`` — the disaggregated router again, with every
+(``-o connector=shm|tcp``); ``mixed`` — the same two workers as a mixed pool: past
+``overflow_tokens`` prompt tokens queued on the prefill worker, a request runs whole on the
+decode worker, prefilled there 64 tokens a step; ``faults`` — the mixed router again, with every
 ``abort_every``-th trace request dropped by its client after its first token and the decode
 worker killed (SIGKILL) halfway through the arrivals (the router restarts it), then every worker's
 blocks, held requests, leases and imports counted once the run has drained (``leaked_*``: must be 0).
@@ -17,7 +19,8 @@ later). Every prompt starts with the round and column, so no request hits a pref
 earlier one. Both routers are up for the whole run; only one replays at a time.
 
 Options (``-o``): ``requests`` (24), ``steady`` (2), ``steady_tokens`` (192), ``time_scale`` (4),
-``token_scale`` (4), ``max_prompt`` (1200), ``connector`` (shm), ``abort_every`` (5).
+``token_scale`` (4), ``max_prompt`` (1200), ``connector`` (shm), ``abort_every`` (5),
+``overflow_tokens`` (1024: the mixed pool's threshold).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from loopstack.plugins.disaggregation.bench.trace import AZURE_CODE_TRACE, Scale
 
 __all__ = ["DisaggWorkload"]
 
-COLUMNS = ("colocated", "disaggregated", "faults")
+COLUMNS = ("colocated", "disaggregated", "mixed", "faults")
 TEXT = ("The quick brown fox jumps over the lazy dog while the compiler checks every branch of the "
         "parser, and the tests run on two cores. ")
 
@@ -83,6 +86,7 @@ class DisaggWorkload(Workload):
                 "max_prompt": int(extra.get("max_prompt", 400 if options.quick else 1200)),
                 "connector": str(extra.get("connector", "shm")),
                 "abort_every": int(extra.get("abort_every", 5)),
+                "overflow_tokens": int(extra.get("overflow_tokens", 1024)),
             }
         except ValueError as exc:
             raise BenchOptionError(f"disagg options: {exc}") from None
@@ -110,19 +114,22 @@ class DisaggWorkload(Workload):
         options = EngineOptions(max_model_len=4096)
         common = {"dtype": "auto", "quantization": "int4", "native_decode": True}
         colocated = start_embedded_router("smollm2-135m-instruct", 1, options, threads_per_replica=cores, **common)
-        topology = topology_of(DisaggregationConfig(connector=settings["connector"],
-                                                    threads_per_worker=max(1, cores // 2)))
-        disaggregated = start_disaggregated_router("smollm2-135m-instruct", topology, options, **common)
-        return {"colocated": colocated, "disaggregated": disaggregated}
+        routers = {"colocated": colocated}
+        for name, overflow in (("disaggregated", 0), ("mixed", settings["overflow_tokens"])):
+            topology = topology_of(DisaggregationConfig(connector=settings["connector"], overflow_tokens=overflow,
+                                                        threads_per_worker=max(1, cores // 2)))
+            routers[name] = start_disaggregated_router("smollm2-135m-instruct", topology, options, **common)
+        return routers
 
     async def step(self, column: str, index: int) -> dict[str, float]:
-        router = self._routers["colocated" if column == "colocated" else "disaggregated"]
+        router = self._routers["mixed" if column == "faults" else column]
         faults = column == "faults"
         if faults:
             await asyncio.to_thread(_wait_healthy, router)
         preempted = await asyncio.to_thread(_preemptions, router)
         log = router.disaggregation.log if router.disaggregation is not None else None
         moved = len(log.bytes) if log is not None else 0
+        overflowed = log.num_overflowed if log is not None else 0
         result = await self._replay(router, f"{column}-{index}", faults)
         preempted = await asyncio.to_thread(_preemptions, router) - preempted
         metrics = {
@@ -139,6 +146,8 @@ class DisaggWorkload(Workload):
             metrics["transfer_mb_mean"] = round(sum(nbytes) / len(nbytes) / 1e6, 2)
             metrics["transfer_ms_mean"] = round(1000 * sum(seconds) / len(seconds), 2)
             metrics["transfer_gb_per_s"] = round(sum(nbytes) / max(sum(seconds), 1e-9) / 1e9, 2)
+        if log is not None:
+            metrics["overflowed"] = float(log.num_overflowed - overflowed)
         if faults:
             metrics["aborted"] = float(result.aborted)
             metrics.update(await asyncio.to_thread(_leaks, router))

@@ -309,3 +309,25 @@ def test_a_transfer_broken_midway_by_a_dead_prefill_worker_fails_cleanly(slow_mo
         assert decode.blocks.num_used_blocks == 0 and decode.num_importing == 0
     finally:
         router.shutdown()
+
+
+def test_a_backlogged_prefill_worker_overflows_requests_to_the_decode_worker(model_dir, colocated):
+    """The mixed pool: past ``overflow_tokens`` queued on the prefill worker, requests run whole on
+    the decode worker (prefilled there in small chunks); every one completes, both sides free."""
+    router = start(model_dir, overflow_tokens=8, decode_chunk_tokens=16)
+    try:
+        async def burst():
+            return await asyncio.gather(*(collect(router, p) for p in PROMPTS * 3))
+
+        results = run(router, burst())
+        assert all(last.finish_reason is FinishReason.LENGTH and len(tokens) == GREEDY.max_tokens
+                   for tokens, last in results)
+        log = router.disaggregation.log
+        assert log.num_overflowed > 0 and log.num_handoffs > 0  # both ways were taken
+        assert log.num_overflowed + log.num_handoffs == len(results)
+        assert sum(log.prefill_backlog.values()) == 0 and sum(log.decode_backlog.values()) == 0
+        assert_all_back(router)
+        alone = [run(router, collect(router, p))[0] for p in PROMPTS]  # a quiet pool hands off again
+        assert alone == colocated
+    finally:
+        router.shutdown()
