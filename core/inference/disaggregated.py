@@ -9,7 +9,8 @@ ordinary stream.
 Failures. Before the first token, a prefill worker that dies or hangs is the router's business
 (it takes the worker out and retries the request elsewhere). After it, the staged KV waits under
 its lease: a decode worker that fails to import it (died, its fetch broke) is replaced by another,
-up to ``import_attempts``, while the lease lives; when none can, or the lease ended, or a decode
+up to ``import_attempts``, while the lease lives (when none is alive, the dead ones are restarted
+and the request waits for one); when none can, or the lease ended, or a decode
 worker dies mid-stream, the stream ends with an error output saying so. Whatever happens, the
 lease is released when the stream ends (and a dead prefill worker's staging reclaimed), so every
 block comes back on both sides: the prefill engine's at hand-off, the decode engine's when its
@@ -113,7 +114,9 @@ class DisaggregatedBackend:
         return f"pid {self.prefill.replicas[self.index].pid}"
 
     def is_up(self) -> bool:
-        return self.prefill.replicas[self.index].is_alive and any(r.is_alive for r in self.decode.replicas)
+        """The prefill worker is alive (a dead decode worker is brought back by the next request
+        that needs one: :meth:`_revive_decode`)."""
+        return self.prefill.replicas[self.index].is_alive
 
     async def ping(self) -> bool:
         return await self.prefill.ping(self.index, timeout=self.ping_timeout_s)
@@ -123,11 +126,7 @@ class DisaggregatedBackend:
         time: the decode workers are shared)."""
         if not self.prefill.replicas[self.index].is_alive:
             await self.prefill.restart(self.index)
-        async with self.log.restart_lock:
-            for replica in self.decode.replicas:
-                if not replica.is_alive:
-                    logger.info("restarting decode worker %d", replica.index)
-                    await self.decode.restart(replica.index)
+        await self._revive_decode()
         return True
 
     async def stream(
@@ -179,6 +178,8 @@ class DisaggregatedBackend:
         error = "no decode worker is alive"
         for attempt in range(self.options.import_attempts):
             index = self._pick_decode(tried)
+            if index is None and await self._revive_decode():
+                index = self._pick_decode(set())  # a restarted worker is a fresh process: worth a try
             if index is None:
                 break
             tried.add(index)
@@ -243,6 +244,19 @@ class DisaggregatedBackend:
         finally:
             if pending:
                 backlog[index] -= len(prompt_token_ids)
+
+    async def _revive_decode(self) -> bool:
+        """Restart the dead decode workers (one backend at a time: they are shared); whether any
+        came back. The staged KV waits under its lease meanwhile."""
+        async with self.log.restart_lock:
+            for replica in self.decode.replicas:
+                if not replica.is_alive:
+                    logger.info("restarting decode worker %d", replica.index)
+                    try:
+                        await self.decode.restart(replica.index, timeout=self.options.lease_s)
+                    except Exception as exc:
+                        logger.warning("decode worker %d did not come back: %s", replica.index, exc)
+        return any(r.is_alive for r in self.decode.replicas)
 
     def _pick_decode(self, tried: set[int]) -> int | None:
         """The live decode worker with the fewest open streams (not one tried already)."""

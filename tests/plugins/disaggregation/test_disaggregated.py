@@ -331,3 +331,20 @@ def test_a_backlogged_prefill_worker_overflows_requests_to_the_decode_worker(mod
         assert alone == colocated
     finally:
         router.shutdown()
+
+
+def test_a_request_after_the_only_decode_worker_died_waits_for_its_restart(model_dir, colocated):
+    router = start(model_dir)
+    view = router.disaggregation
+    try:
+        pid = view.decode.replicas[0].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while view.decode.replicas[0].is_alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tokens, last = run(router, collect(router, PROMPTS[0]))
+        assert tokens == colocated[0] and last.finish_reason is FinishReason.LENGTH
+        assert view.decode.replicas[0].is_alive and view.decode.replicas[0].pid != pid
+        assert_all_back(router)
+    finally:
+        router.shutdown()
