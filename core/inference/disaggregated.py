@@ -53,6 +53,9 @@ class DisaggregationOptions:
     # decode_chunk_tokens per step there (so its decodes keep a short step); 0: never
     overflow_tokens: int = 0
     decode_chunk_tokens: int = 64
+    # prompts of at most this many tokens run whole on a decode worker too (a short prefill costs
+    # its decodes one small step; queued behind long prompts it would wait for all of them); 0: never
+    short_prompt_tokens: int = 0
 
 
 @dataclass
@@ -213,8 +216,12 @@ class DisaggregatedBackend:
         yield _error(handoff, f"the request could not be handed to a decode worker ({error})")
 
     def _overflow_to(self, num_prompt_tokens: int) -> int | None:
-        """The decode worker to serve a request whole when this prefill worker is backlogged past
-        ``overflow_tokens`` and that worker's own overflow queue is shorter; else None."""
+        """The decode worker to serve a request whole: its prompt is short (``short_prompt_tokens``),
+        or this prefill worker is backlogged past ``overflow_tokens`` and that worker's own overflow
+        queue is shorter; else None."""
+        short = self.options.short_prompt_tokens
+        if short and num_prompt_tokens <= short:
+            return self._pick_decode(set())
         limit = self.options.overflow_tokens
         queued = self.log.prefill_backlog.get(self.index, 0)
         if not limit or queued <= limit:

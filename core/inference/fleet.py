@@ -95,7 +95,8 @@ def start_disaggregated_router(
               "threads_per_replica": threads, "connector": topology.connector}
     prefill = ReplicaPool(model, topology.prefill_workers, options, role="prefill", **common)  # type: ignore[arg-type]
     decode_options = options
-    if topology.options.overflow_tokens:  # decode workers then prefill too: in small chunks, beside their decodes
+    if topology.options.overflow_tokens or topology.options.short_prompt_tokens:  # decode workers prefill too:
+        # in small chunks, beside their decodes
         decode_options = dataclasses.replace(options, max_num_batched_tokens=max(
             16, min(options.max_num_batched_tokens, topology.options.decode_chunk_tokens)))
     decode = ReplicaPool(model, topology.decode_workers, decode_options, role="decode",

@@ -32,10 +32,13 @@ class DisaggregationConfig(PluginConfig):
     transfer_timeout_s: float = Field(10.0, gt=0, description="the most one KV fetch may take")
     import_attempts: int = Field(2, ge=1, description="decode workers tried for one hand-off while its lease lives")
     threads_per_worker: int | None = Field(None, ge=1, description="torch threads per worker; unset: cores split evenly")
+    # the mixed pool (defaults measured in docs/techniques/disaggregation.md; both 0: the pure split)
     overflow_tokens: int = Field(
-        0, ge=0, description="a mixed pool: past this many prompt tokens queued on a prefill worker, a request is "
-        "prefilled and decoded on a decode worker instead (in decode_chunk_tokens chunks); 0: never")
-    decode_chunk_tokens: int = Field(64, ge=16, description="prefill tokens per step on a decode worker (overflow)")
+        1024, ge=0, description="past this many prompt tokens queued on a prefill worker, a request is prefilled "
+        "and decoded on a decode worker instead (in decode_chunk_tokens chunks); 0: never")
+    short_prompt_tokens: int = Field(
+        128, ge=0, description="prompts of at most this many tokens run whole on a decode worker; 0: never")
+    decode_chunk_tokens: int = Field(64, ge=16, description="prefill tokens per step on a decode worker")
 
 
 def topology_of(config: DisaggregationConfig) -> Disaggregated:
@@ -50,7 +53,8 @@ def topology_of(config: DisaggregationConfig) -> Disaggregated:
         connector = functools.partial(SharedMemoryConnector, chunk_blocks=config.chunk_blocks)
     options = DisaggregationOptions(lease_s=config.lease_s, transfer_timeout_s=config.transfer_timeout_s,
                                     import_attempts=config.import_attempts, overflow_tokens=config.overflow_tokens,
-                                    decode_chunk_tokens=config.decode_chunk_tokens)
+                                    decode_chunk_tokens=config.decode_chunk_tokens,
+                                    short_prompt_tokens=config.short_prompt_tokens)
     return Disaggregated(config.prefill_workers, config.decode_workers, connector, options,
                          threads_per_worker=config.threads_per_worker)
 

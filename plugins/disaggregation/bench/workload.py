@@ -2,9 +2,10 @@
 
 Columns: ``colocated`` — one engine process with every core (chunked prefill: long prompts share
 steps with the decodes); ``disaggregated`` — one prefill and one decode worker with one core each
-(``-o connector=shm|tcp``); ``mixed`` — the same two workers as a mixed pool: past
-``overflow_tokens`` prompt tokens queued on the prefill worker, a request runs whole on the
-decode worker, prefilled there 64 tokens a step; ``faults`` — the mixed router again, with every
+(``-o connector=shm|tcp``), the pure split; ``mixed`` — the same two workers as a mixed pool (the
+plugin's defaults): a prompt of at most ``short_prompt_tokens``, or any request once
+``overflow_tokens`` prompt tokens are queued on the prefill worker, runs whole on the decode
+worker, prefilled there 64 tokens a step; ``faults`` — the mixed router again, with every
 ``abort_every``-th trace request dropped by its client after its first token and the decode
 worker killed (SIGKILL) halfway through the arrivals (the router restarts it), then every worker's
 blocks, held requests, leases and imports counted once the run has drained (``leaked_*``: must be 0).
@@ -20,7 +21,8 @@ earlier one. Both routers are up for the whole run; only one replays at a time.
 
 Options (``-o``): ``requests`` (24), ``steady`` (2), ``steady_tokens`` (192), ``time_scale`` (4),
 ``token_scale`` (4), ``max_prompt`` (1200), ``connector`` (shm), ``abort_every`` (5),
-``overflow_tokens`` (1024: the mixed pool's threshold).
+``overflow_tokens`` (1024) and ``short_prompt_tokens`` (128): the mixed pool's, as the plugin's
+defaults; ``start`` (0: the trace row the window starts at).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class DisaggWorkload(Workload):
                 "connector": str(extra.get("connector", "shm")),
                 "abort_every": int(extra.get("abort_every", 5)),
                 "overflow_tokens": int(extra.get("overflow_tokens", 1024)),
+                "short_prompt_tokens": int(extra.get("short_prompt_tokens", 128)),
+                "start": int(extra.get("start", 0)),
             }
         except ValueError as exc:
             raise BenchOptionError(f"disagg options: {exc}") from None
@@ -96,7 +100,8 @@ class DisaggWorkload(Workload):
         path = options.data_dir / AZURE_CODE_TRACE
         if not path.exists():
             raise BenchOptionError(f"the disagg bench needs {path} (../shared/data); it is not there")
-        self._trace = load_scaled_trace(path, count=settings["requests"], time_scale=settings["time_scale"],
+        self._trace = load_scaled_trace(path, start=settings["start"], count=settings["requests"],
+                                        time_scale=settings["time_scale"],
                                         token_scale=settings["token_scale"], max_prompt=settings["max_prompt"])
         self._routers = await asyncio.to_thread(self._start, settings)
         from loopstack.engine.loaders import load_tokenizer
@@ -115,8 +120,10 @@ class DisaggWorkload(Workload):
         common = {"dtype": "auto", "quantization": "int4", "native_decode": True}
         colocated = start_embedded_router("smollm2-135m-instruct", 1, options, threads_per_replica=cores, **common)
         routers = {"colocated": colocated}
-        for name, overflow in (("disaggregated", 0), ("mixed", settings["overflow_tokens"])):
+        for name, overflow, short in (("disaggregated", 0, 0),
+                                      ("mixed", settings["overflow_tokens"], settings["short_prompt_tokens"])):
             topology = topology_of(DisaggregationConfig(connector=settings["connector"], overflow_tokens=overflow,
+                                                        short_prompt_tokens=short,
                                                         threads_per_worker=max(1, cores // 2)))
             routers[name] = start_disaggregated_router("smollm2-135m-instruct", topology, options, **common)
         return routers
@@ -225,7 +232,8 @@ class DisaggWorkload(Workload):
     def config(self) -> dict[str, Any]:
         return {**self._settings, "model": "smollm2-135m-instruct (int4, native decode)",
                 "cores": len(os.sched_getaffinity(0)),
-                "trace": f"{AZURE_CODE_TRACE} rows 0-{len(self._trace) - 1}, gaps over 3 s cut to 3 s",
+                "trace": f"{AZURE_CODE_TRACE} rows {self._settings['start']}-{self._settings['start'] + len(self._trace) - 1}, "
+                         "gaps over 3 s cut to 3 s",
                 "prompt_tokens": sum(r.prompt_tokens for r in self._trace)}
 
     _wall = 0.0

@@ -348,3 +348,16 @@ def test_a_request_after_the_only_decode_worker_died_waits_for_its_restart(model
         assert_all_back(router)
     finally:
         router.shutdown()
+
+
+def test_short_prompts_run_whole_on_the_decode_worker(model_dir):
+    router = start(model_dir, short_prompt_tokens=10)
+    try:
+        results = [run(router, collect(router, p)) for p in PROMPTS]
+        assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in results)
+        log = router.disaggregation.log
+        short = sum(len(p) <= 10 for p in PROMPTS)
+        assert log.num_overflowed == short and log.num_handoffs == len(PROMPTS) - short
+        assert_all_back(router)
+    finally:
+        router.shutdown()

@@ -23,6 +23,8 @@ model = "smollm2-135m-instruct"
 [plugins.disaggregation]
 enabled = {enabled}
 connector = "{connector}"
+overflow_tokens = 0        # the pure split: every request is handed off (a mixed pool serves some whole on
+short_prompt_tokens = 0    # the decode worker, where they are colocated requests)
 """
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "Say hello."]
 
