@@ -125,10 +125,9 @@ class DisaggregatedBackend:
         return await self.prefill.ping(self.index, timeout=self.ping_timeout_s)
 
     async def restart(self) -> bool:
-        """Restart this prefill worker if it died, and every dead decode worker (one backend at a
-        time: the decode workers are shared)."""
-        if not self.prefill.replicas[self.index].is_alive:
-            await self.prefill.restart(self.index)
+        """Restart this prefill worker (the router asks when it died or stopped answering), and
+        every dead decode worker (one backend at a time: the decode workers are shared)."""
+        await self.prefill.restart(self.index)  # dead, or alive and not answering: a fresh process either way
         await self._revive_decode()
         return True
 
@@ -146,8 +145,14 @@ class DisaggregatedBackend:
                     yield output
                 return
             except (ReplicaDiedError, EngineError) as exc:
-                if served or isinstance(exc, (ValueError, TypeError)):
+                if isinstance(exc, (ValueError, TypeError)):
                     raise
+                if served:  # the decode worker failed mid-response: the prefill worker is fine, keep it in
+                    self.log.failed("decode_died")
+                    yield RequestOutput(request_id, [], "", True, FinishReason.ERROR,
+                                        Usage(len(prompt_token_ids), 0, 0, None),
+                                        error=f"decode worker {overflow} failed mid-response: {exc}")
+                    return
                 logger.warning("request %s: decode worker %d: %s; prefilling it on %s instead", request_id,
                                overflow, exc, self.name)
         handoff = None
@@ -167,9 +172,9 @@ class DisaggregatedBackend:
         if handoff is None:
             return
         self.log.num_handoffs += 1
-        transfer = _Transfer(handoff, time.perf_counter())
-        yield dataclasses.replace(handoff.output, finished=False, finish_reason=None)
-        try:
+        transfer = _Transfer(handoff, time.perf_counter(), self.prefill.replicas[self.index].pid)
+        try:  # from here on the lease is released whatever happens (a client gone after token one too)
+            yield dataclasses.replace(handoff.output, finished=False, finish_reason=None)
             async for output in self._decode(transfer, speculation):
                 yield output
         finally:
@@ -282,9 +287,10 @@ class DisaggregatedBackend:
             return
         transfer.released = True
         ticket = transfer.handoff.ticket
-        if self.prefill.replicas[self.index].is_alive:
+        replica = self.prefill.replicas[self.index]
+        if replica.is_alive and replica.pid == transfer.prefill_pid:
             self.prefill.release(self.index, ticket.lease_id)
-        else:
+        else:  # the process that staged it is gone (a restart may have put another in its place)
             self.reclaim(ticket)
             self.log.num_reclaimed += 1
 
@@ -293,6 +299,7 @@ class DisaggregatedBackend:
 class _Transfer:
     handoff: Handoff
     handed_at: float
+    prefill_pid: int | None  # the process that staged the KV: only it can release the lease
     released: bool = False
 
 

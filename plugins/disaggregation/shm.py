@@ -55,7 +55,14 @@ class SharedMemoryConnector(KVConnectorWorker):
     def offer(self, lease_id: str, kv: torch.Tensor, lease_s: float) -> TransferTicket:
         kv = kv.contiguous()
         nbytes = kv.numel() * kv.element_size()
-        segment = _open(f"{self._prefix}-{lease_id}"[:250], create=True, size=HEADER_BYTES + max(nbytes, 1))
+        size = HEADER_BYTES + max(nbytes, 1)
+        segment = _open(f"{self._prefix}-{lease_id}"[:250], create=True, size=size)
+        try:  # reserve the pages now: a full /dev/shm is then an error here, not a SIGBUS while copying
+            os.posix_fallocate(segment._fd, 0, size)  # type: ignore[attr-defined]
+        except OSError as exc:
+            segment.close()
+            _unlink(segment)
+            raise TransferError(f"no room in shared memory for {size} bytes of KV: {exc}") from None
         deadline = time.time() + lease_s
         view = torch.frombuffer(segment.buf, dtype=kv.dtype, count=kv.numel(), offset=HEADER_BYTES)
         view.copy_(kv.view(-1))

@@ -64,6 +64,7 @@ class TcpConnector(KVConnectorWorker):
         self._lock = threading.Lock()
         self._server: threading.Thread | None = None
         self._address: str | None = None
+        self._bind_error = ""
         self._stop = threading.Event()
 
     # -- prefill side -------------------------------------------------------------------------------
@@ -117,13 +118,16 @@ class TcpConnector(KVConnectorWorker):
         self.stats.blocks_held = sum(lease.num_blocks for lease in self._leases.values())
 
     def _serve(self) -> str:
+        """The server's address, starting it on first use. Raises TransferError when it cannot bind."""
         if self._address is None:
             ready = threading.Event()
             self._server = threading.Thread(target=self._server_loop, args=(ready,), name="loopstack-kv-tcp",
                                             daemon=True)
             self._server.start()
             ready.wait()
-        assert self._address is not None
+            if self._address is None:
+                self._server = None
+                raise TransferError(f"cannot serve KV on {self.host}: {self._bind_error}")
         return self._address
 
     def _server_loop(self, ready: threading.Event) -> None:
@@ -131,15 +135,25 @@ class TcpConnector(KVConnectorWorker):
         socket = self._zmq.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a reader that is gone raises: drop its transfer
-        port = socket.bind_to_random_port(f"tcp://{self.host}")
+        try:
+            port = socket.bind_to_random_port(f"tcp://{self.host}")
+        except zmq.ZMQError as exc:  # a host this machine does not have, say
+            self._bind_error = str(exc)
+            socket.close()
+            ready.set()
+            return
         self._address = f"tcp://{self.host}:{port}"
         ready.set()
         active: list[_Outgoing] = []
         try:
             while not self._stop.is_set():
                 if socket.poll(0 if active else 100):
-                    identity, lease_id, first, stop = socket.recv_multipart()
-                    active.append(_Outgoing(identity, lease_id.decode(), int(first), int(first), int(stop)))
+                    frames = socket.recv_multipart()
+                    try:
+                        identity, lease_id, first, stop = frames
+                        active.append(_Outgoing(identity, lease_id.decode(), int(first), int(first), int(stop)))
+                    except ValueError:  # not a fetch request: ignore it, keep serving
+                        continue
                     continue
                 active = [transfer for transfer in active if self._send_next(socket, transfer)]
                 if active and self.pause_between_chunks:

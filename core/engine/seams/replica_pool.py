@@ -44,6 +44,7 @@ from loopstack.engine.seams.kv_events import KVCacheEvent
 from loopstack.engine.seams.kv_transfer import RequestState
 from loopstack.engine.seams.replica_worker import (
     ChildStatistics,
+    Handoff,
     ReplicaDiedError,
     ReplicaProcess,
     ReplicaStartError,
@@ -184,10 +185,15 @@ class ReplicaStream:
         return stream_queue
 
     def close(self) -> None:
-        """Abort the request if it is still running. Idempotent, and safe from any thread."""
+        """Abort the request if it is still running. Idempotent, and safe from any thread. A
+        hand-off that arrived but was not read has its lease released (nobody will fetch it)."""
         self._is_done = True
         if self._tag is not None:
             self._replica.abort(self._tag)
+        while self._queue is not None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, Handoff) and self._replica.is_alive and self._replica.is_accepting:
+                self._replica.send(("release", item.ticket.lease_id))
 
     async def aclose(self) -> None:
         self.close()

@@ -66,7 +66,7 @@ from loopstack.engine.block_manager import BlockManagerStatistics
 from loopstack.engine.capture import InvalidHiddenCaptureError
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import EngineError
-from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError, RequestOutput
+from loopstack.engine.llm_engine import EngineOptions, LLMEngine, PromptTooLongError, RequestOutput, Usage
 from loopstack.engine.loaders import load_model
 from loopstack.engine.sampling_params import InvalidSamplingParamsError
 from loopstack.engine.seams.kv_connector import (
@@ -446,7 +446,15 @@ class _ReplicaServer:
         except Exception as exc:  # a failed forward fails the batch, never the replica
             self.num_step_errors += 1
             traceback.print_exc()
-            return self._abort_all(FinishReason.ERROR, f"engine step failed: {type(exc).__name__}: {exc}")
+            error = f"engine step failed: {type(exc).__name__}: {exc}"
+            outputs = self._abort_all(FinishReason.ERROR, error)
+            for request_id in self.engine.held_request_ids:  # handed off in the failed step: nobody will stage them
+                self.engine.release_held(request_id)
+                self.lease_s.pop(request_id, None)
+                if request_id in self.tag_of:
+                    outputs.append(RequestOutput(request_id, [], "", True, FinishReason.ERROR,
+                                                 Usage(0, 0, 0, None), error))
+            return outputs
 
     def _abort_all(self, reason: FinishReason, error: str | None) -> list[RequestOutput]:
         outputs = []

@@ -120,3 +120,12 @@ def test_a_cancelled_fetch_stops(pair):
     ticket = source.offer("c", torch.randn(SHAPE), lease_s=30)
     with pytest.raises(TransferError, match="cancelled"):
         sink.fetch(ticket, range(10), lambda first, chunk: None, timeout=10, cancelled=lambda: True)
+
+
+def test_tcp_an_address_it_cannot_bind_fails_the_offer_instead_of_hanging():
+    connector = TcpConnector(host="10.254.254.254")  # not an address of this machine
+    started = time.perf_counter()
+    with pytest.raises(TransferError, match="cannot serve KV on 10.254.254.254"):
+        connector.offer("x", torch.randn(SHAPE), lease_s=30)
+    connector.close()
+    assert time.perf_counter() - started < 5

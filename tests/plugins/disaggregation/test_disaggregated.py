@@ -361,3 +361,22 @@ def test_short_prompts_run_whole_on_the_decode_worker(model_dir):
         assert_all_back(router)
     finally:
         router.shutdown()
+
+
+def test_a_client_gone_after_the_first_token_releases_the_lease_at_once(model_dir):
+    router = start(model_dir, "tcp", lease_s=120)  # a release, not an expiry, must free it
+
+    async def first_token_only():
+        stream = router.stream(PROMPTS[2], GREEDY)
+        async for output in stream:
+            if output.new_token_ids:
+                break
+        await stream.aclose()
+
+    try:
+        run(router, first_token_only())
+        live, busy = settled(router)
+        assert not busy, busy
+        assert live[0].connector["num_released"] == 1 and live[0].connector["num_expired"] == 0
+    finally:
+        router.shutdown()
