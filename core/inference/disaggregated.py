@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.errors import EngineError
@@ -41,6 +41,14 @@ __all__ = ["DisaggregatedBackend", "DisaggregationOptions", "DisaggregationView"
            "render_gauges"]
 
 logger = logging.getLogger(__name__)
+
+IMPORT_GRACE_S = 5.0  # beyond transfer_timeout_s, for a decode worker to answer an import at all
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,30 @@ class TransferLog:
     num_import_retries: int = 0
     num_failed: int = 0
     num_reclaimed: int = 0  # staging of a dead prefill worker freed by the coordinator
-    bytes: list[int] = field(default_factory=list)  # per imported request
-    seconds: list[float] = field(default_factory=list)  # fetch time per imported request
+    # per imported request, the most recent RECENT of them (the totals below count every one)
+    bytes: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # fetch time
     handoff_seconds: list[float] = field(default_factory=list)  # first token out -> KV in on the decode side
+    total_bytes: int = 0
+    total_seconds: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
     restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # decode restarts, one backend at a time
     num_overflowed: int = 0  # requests served whole by a decode worker (a mixed pool)
     prefill_backlog: dict[int, int] = field(default_factory=dict)  # prefill worker -> prompt tokens queued
     decode_backlog: dict[int, int] = field(default_factory=dict)  # decode worker -> overflow prompt tokens queued
+
+    RECENT = 4096
+
+    def transferred(self, nbytes: int, seconds: float, handoff_seconds: float) -> None:
+        self.num_imported += 1
+        self.total_bytes += nbytes
+        self.total_seconds += seconds
+        self.bytes.append(nbytes)
+        self.seconds.append(seconds)
+        self.handoff_seconds.append(handoff_seconds)
+        for values in (self.bytes, self.seconds, self.handoff_seconds):
+            if len(values) > self.RECENT:
+                del values[: len(values) - self.RECENT]
 
     def failed(self, reason: str) -> None:
         self.num_failed += 1
@@ -199,7 +223,9 @@ class DisaggregatedBackend:
                                                speculation=speculation)
             try:
                 async with stream:
-                    async for item in stream:
+                    # the fetch's own timeout runs in the decode worker; a worker that hangs is caught here
+                    first = await asyncio.wait_for(anext(stream), self.options.transfer_timeout_s + IMPORT_GRACE_S)
+                    async for item in _chain(first, stream):
                         if isinstance(item, Imported):
                             imported = True
                             self._imported(transfer, item)
@@ -210,7 +236,9 @@ class DisaggregatedBackend:
                 self.log.failed("lease_expired")
                 yield _error(handoff, f"the KV transfer did not finish within its lease: {exc}")
                 return
-            except (TransferError, ReplicaDiedError, EngineError) as exc:
+            except (TransferError, ReplicaDiedError, EngineError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    exc = TransferError(f"no answer within {self.options.transfer_timeout_s + IMPORT_GRACE_S} s")
                 if imported:  # tokens came from this decode worker already: the response cannot go on
                     self.log.failed("decode_died")
                     yield _error(handoff, f"decode worker {index} failed mid-response: {exc}")
@@ -276,10 +304,7 @@ class DisaggregatedBackend:
         return min(live, key=lambda r: (r.num_in_flight, r.index)).index if live else None
 
     def _imported(self, transfer: _Transfer, item: Imported) -> None:
-        self.log.num_imported += 1
-        self.log.bytes.append(item.stats.nbytes)
-        self.log.seconds.append(item.stats.seconds)
-        self.log.handoff_seconds.append(time.perf_counter() - transfer.handed_at)
+        self.log.transferred(item.stats.nbytes, item.stats.seconds, time.perf_counter() - transfer.handed_at)
         self._release(transfer)  # fetched: the prefill worker may drop its staging now
 
     def _release(self, transfer: _Transfer) -> None:
@@ -363,8 +388,8 @@ class DisaggregationView(NamedTuple):
                 Gauge("loopstack_disagg_imported", "hand-offs whose KV reached a decode worker", {}, float(log.num_imported)),
                 Gauge("loopstack_disagg_import_retries", "hand-offs tried on another decode worker", {},
                       float(log.num_import_retries)),
-                Gauge("loopstack_disagg_transfer_bytes", "KV bytes moved, all requests", {}, float(sum(log.bytes))),
-                Gauge("loopstack_disagg_transfer_seconds", "KV fetch seconds, all requests", {}, float(sum(log.seconds)))]
+                Gauge("loopstack_disagg_transfer_bytes", "KV bytes moved, all requests", {}, float(log.total_bytes)),
+                Gauge("loopstack_disagg_transfer_seconds", "KV fetch seconds, all requests", {}, log.total_seconds)]
         out += [Gauge("loopstack_disagg_failed", "hand-offs that failed, by reason", {"reason": reason}, float(count))
                 for reason, count in sorted(log.failures.items())]
         return out

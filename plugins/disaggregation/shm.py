@@ -158,7 +158,10 @@ class SharedMemoryConnector(KVConnectorWorker):
             self._failed(type(exc).__name__)
             raise
         finally:
-            segment.close()
+            try:
+                segment.close()
+            except BufferError:  # a chunk view still held by a traceback: the mapping goes with it
+                pass
         seconds = time.perf_counter() - started
         nbytes = ticket.nbytes * len(blocks) // max(ticket.num_blocks, 1)
         self.stats.num_fetched += 1

@@ -135,7 +135,7 @@ class DisaggWorkload(Workload):
             await asyncio.to_thread(_wait_healthy, router)
         preempted = await asyncio.to_thread(_preemptions, router)
         log = router.disaggregation.log if router.disaggregation is not None else None
-        moved = len(log.bytes) if log is not None else 0
+        moved = (log.num_imported, log.total_bytes, log.total_seconds) if log is not None else (0, 0, 0.0)
         overflowed = log.num_overflowed if log is not None else 0
         result = await self._replay(router, f"{column}-{index}", faults)
         preempted = await asyncio.to_thread(_preemptions, router) - preempted
@@ -148,11 +148,12 @@ class DisaggWorkload(Workload):
             "failed": float(result.failed),
             "preemptions": float(preempted),
         }
-        if log is not None and len(log.bytes) > moved:  # what the hand-offs of this round moved
-            nbytes, seconds = log.bytes[moved:], log.seconds[moved:]
-            metrics["transfer_mb_mean"] = round(sum(nbytes) / len(nbytes) / 1e6, 2)
-            metrics["transfer_ms_mean"] = round(1000 * sum(seconds) / len(seconds), 2)
-            metrics["transfer_gb_per_s"] = round(sum(nbytes) / max(sum(seconds), 1e-9) / 1e9, 2)
+        if log is not None and log.num_imported > moved[0]:  # what the hand-offs of this round moved
+            count = log.num_imported - moved[0]
+            nbytes, seconds = log.total_bytes - moved[1], log.total_seconds - moved[2]
+            metrics["transfer_mb_mean"] = round(nbytes / count / 1e6, 2)
+            metrics["transfer_ms_mean"] = round(1000 * seconds / count, 2)
+            metrics["transfer_gb_per_s"] = round(nbytes / max(seconds, 1e-9) / 1e9, 2)
         if log is not None:
             metrics["overflowed"] = float(log.num_overflowed - overflowed)
         if faults:
