@@ -63,7 +63,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 class DisaggWorkload(Workload):
     name = "disagg"
-    description = "TTFT, inter-token latency and throughput: colocated vs disaggregated (1P+1D), and a fault run"
+    description = "TTFT, inter-token latency, throughput: colocated vs disaggregated and mixed (1P+1D), a fault run"
     default_steps = 2
 
     def __init__(self) -> None:
