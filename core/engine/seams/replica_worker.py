@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loopstack.engine.block_manager import BlockManagerStatistics
+from loopstack.engine.block_manager import BlockManagerStatistics, OutOfBlocksError
 from loopstack.engine.capture import InvalidHiddenCaptureError
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import EngineError
@@ -254,6 +254,8 @@ class _ReplicaServer:
         self.num_step_errors = 0
         self.lease_s: dict[str, float] = {}  # prefill-only request id -> its lease, once handed off
         self.imports: dict[int, _Import] = {}  # tag -> an import whose KV is on its way
+        # tag -> an import waiting for KV blocks to free up (state, ticket, timeout_s, speculation), in order
+        self.waiting_imports: dict[int, tuple[RequestState, TransferTicket, float, SpeculationSpec | None]] = {}
         self._fetched: queue.SimpleQueue[int] = queue.SimpleQueue()  # tags of imports whose fetch ended
         bus.subscribe(self.events.append)
 
@@ -281,7 +283,7 @@ class _ReplicaServer:
         work; a moment while an import's KV is on its way; until the next lease ends; or forever."""
         if self.engine.has_unfinished():
             return 0.0
-        if self.imports:
+        if self.imports or self.waiting_imports:
             return 0.002
         deadline = self.connector.next_deadline() if self.connector is not None else None
         return None if deadline is None else max(0.0, deadline - time.time()) + 0.001
@@ -290,6 +292,12 @@ class _ReplicaServer:
         """End leases past their deadline; schedule (or free) imports whose fetch ended."""
         if self.connector is not None:
             self.connector.expire(time.time())
+        queued, self.waiting_imports, blocked = self.waiting_imports, {}, False
+        for tag, waiting in queued.items():  # blocks may have freed up since; first come, first served
+            if blocked:
+                self.waiting_imports[tag] = waiting
+            elif not self._start_import(tag, *waiting):
+                blocked = True  # still no room: the later ones wait behind it
         while True:
             try:
                 tag = self._fetched.get_nowait()
@@ -340,6 +348,8 @@ class _ReplicaServer:
             if self.connector is not None:
                 self.connector.release(message[1])
         elif kind == "abort":
+            if self.waiting_imports.pop(message[1], None) is not None:
+                return  # it had no blocks yet: nothing to free
             importing = self.imports.get(message[1])
             if importing is not None:
                 importing.cancel.set()  # its fetch stops; _finish_import frees its blocks
@@ -387,21 +397,31 @@ class _ReplicaServer:
         return kept
 
     def _start_import(self, tag: int, state: RequestState, ticket: TransferTicket, timeout_s: float,
-                      speculation: SpeculationSpec | None = None) -> None:
+                      speculation: SpeculationSpec | None = None) -> bool:
+        """Allocate the import's blocks and start its fetch; with no blocks free it waits (in
+        ``waiting_imports``, retried between steps) while its lease lives. False: it waits."""
         connector = self.connector
         try:
             if connector is None:
                 raise ValueError("this worker has no KV connector")
             pending = begin_import(self.engine, state, speculation=speculation)
+        except OutOfBlocksError:
+            if time.time() < ticket.deadline:
+                self.waiting_imports[tag] = (state, ticket, timeout_s, speculation)
+                return False
+            self._send(("rejected", tag, error_type_paths(LeaseExpiredError()),
+                        f"lease {ticket.lease_id} ended while this decode worker had no KV blocks free for it"))
+            return True
         except Exception as exc:
             self._send(("rejected", tag, error_type_paths(exc), str(exc)))
-            return
+            return True
         item = _Import(tag, state, ticket, pending)
         blocks = connector.scheduler.blocks_to_load(state.num_blocks, pending.first_block)
         item.thread = threading.Thread(target=self._fetch, args=(item, blocks, timeout_s), daemon=True,
                                        name=f"loopstack-kv-fetch-{tag}")
         self.imports[tag] = item
         item.thread.start()
+        return True
 
     def _fetch(self, item: _Import, blocks: range, timeout_s: float) -> None:
         """On the import's own thread: fetch its KV into its blocks (nobody else uses them yet)."""
@@ -494,7 +514,7 @@ class _ReplicaServer:
             self.engine.num_steps,
             self.num_step_errors,
             len(self.engine.held_request_ids),
-            len(self.imports),
+            len(self.imports) + len(self.waiting_imports),
             self.connector.stats.as_dict() if self.connector is not None else None,
         )
 

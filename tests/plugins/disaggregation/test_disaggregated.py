@@ -380,3 +380,29 @@ def test_a_client_gone_after_the_first_token_releases_the_lease_at_once(model_di
         assert live[0].connector["num_released"] == 1 and live[0].connector["num_expired"] == 0
     finally:
         router.shutdown()
+
+
+def test_an_import_waits_for_blocks_on_a_full_decode_worker(model_dir, colocated):
+    """Two hand-offs that do not fit the decode worker's cache together: the second waits for the
+    first to finish (within its lease) instead of failing."""
+    topology = Disaggregated(1, 1, CONNECTORS["shm"], DisaggregationOptions(lease_s=60, import_attempts=1),
+                             threads_per_worker=1)
+    # 280 slots: the first grows to 40 + 200 tokens; the second's 200-token prompt finds no room
+    # to land until the first ends
+    small = EngineOptions(block_size=4, num_kv_blocks=70, max_num_batched_tokens=64)
+    router = start_disaggregated_router(model_dir, topology, small, dtype="float32")
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    try:
+        async def both():
+            first = asyncio.create_task(collect(router, PROMPTS[2], long))
+            await asyncio.sleep(0.05)  # the first is decoding
+            second = asyncio.create_task(collect(router, list(range(60, 260))))
+            return await first, await second
+
+        (first, last_first), (second, last_second) = run(router, both())
+        assert last_first.finish_reason is last_second.finish_reason is FinishReason.LENGTH
+        assert len(first) == 200 and len(second) == GREEDY.max_tokens
+        assert router.disaggregation.log.num_failed == 0
+        assert_all_back(router)
+    finally:
+        router.shutdown()
