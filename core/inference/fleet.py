@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from loopstack.engine.llm_engine import EngineOptions
 from loopstack.engine.loaders import load_tokenizer
-from loopstack.engine.seams.replica_pool import ReplicaPool
+from loopstack.engine.seams.replica_pool import ReplicaPool, usable_cpus
 from loopstack.inference.backends import EmbeddedBackend
 from loopstack.inference.disaggregated import DisaggregatedBackend, DisaggregationView, TransferLog
 from loopstack.inference.loop_thread import LoopThread
@@ -90,7 +89,7 @@ def start_disaggregated_router(
     tokenizer, _ = load_tokenizer(model)
     loop = LoopThread()
     num_workers = topology.prefill_workers + topology.decode_workers
-    threads = topology.threads_per_worker or max(1, _num_cpus() // num_workers)
+    threads = topology.threads_per_worker or max(1, usable_cpus() // num_workers)
     common = {"device": device, "dtype": dtype, "quantization": quantization, "native_decode": native_decode,
               "threads_per_replica": threads, "connector": topology.connector}
     prefill = ReplicaPool(model, topology.prefill_workers, options, role="prefill", **common)  # type: ignore[arg-type]
@@ -138,12 +137,6 @@ def start_disaggregated_router(
                         info.num_kv_blocks, threads)
     return router
 
-
-def _num_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class RemoteSpec(NamedTuple):

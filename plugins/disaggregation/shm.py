@@ -134,7 +134,7 @@ class SharedMemoryConnector(KVConnectorWorker):
         try:
             segment = _open(ticket.address)
         except FileNotFoundError:
-            self._failed("LeaseExpiredError")
+            self.stats.fetch_failed("LeaseExpiredError")
             raise LeaseExpiredError(f"lease {ticket.lease_id}: its shared memory is gone (ended or never made)") from None
         num_chunks = 0
         try:
@@ -155,7 +155,7 @@ class SharedMemoryConnector(KVConnectorWorker):
             finally:
                 del staged
         except TransferError as exc:
-            self._failed(type(exc).__name__)
+            self.stats.fetch_failed(type(exc).__name__)
             raise
         finally:
             try:
@@ -164,9 +164,7 @@ class SharedMemoryConnector(KVConnectorWorker):
                 pass
         seconds = time.perf_counter() - started
         nbytes = ticket.nbytes * len(blocks) // max(ticket.num_blocks, 1)
-        self.stats.num_fetched += 1
-        self.stats.bytes_fetched += nbytes
-        self.stats.fetch_seconds += seconds
+        self.stats.fetched(nbytes, seconds)
         return TransferStats(nbytes, seconds, num_chunks)
 
     @staticmethod
@@ -174,10 +172,6 @@ class SharedMemoryConnector(KVConnectorWorker):
         state, deadline = HEADER.unpack_from(segment.buf, 0)
         if state != LIVE or time.time() >= deadline:
             raise LeaseExpiredError(f"lease {ticket.lease_id} ended during the transfer")
-
-    def _failed(self, kind: str) -> None:
-        self.stats.num_fetch_failures += 1
-        self.stats.failures[kind] = self.stats.failures.get(kind, 0) + 1
 
 
 def _open(name: str, *, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:

@@ -224,15 +224,12 @@ class TcpConnector(KVConnectorWorker):
                     raise TransferError(f"lease {ticket.lease_id}: the fetch was cancelled")
                 _check_time(ticket, started, timeout)
         except TransferError as exc:
-            self.stats.num_fetch_failures += 1
-            self.stats.failures[type(exc).__name__] = self.stats.failures.get(type(exc).__name__, 0) + 1
+            self.stats.fetch_failed(type(exc).__name__)
             raise
         finally:
             socket.close()
         seconds = time.perf_counter() - started
-        self.stats.num_fetched += 1
-        self.stats.bytes_fetched += nbytes
-        self.stats.fetch_seconds += seconds
+        self.stats.fetched(nbytes, seconds)
         return TransferStats(nbytes, seconds, num_chunks)
 
 

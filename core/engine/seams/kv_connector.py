@@ -122,6 +122,15 @@ class ConnectorStatistics:
     blocks_held: int = 0  # staged under a live lease now
     failures: dict[str, int] = field(default_factory=dict)  # fetch failures by error type
 
+    def fetched(self, nbytes: int, seconds: float) -> None:
+        self.num_fetched += 1
+        self.bytes_fetched += nbytes
+        self.fetch_seconds += seconds
+
+    def fetch_failed(self, kind: str) -> None:
+        self.num_fetch_failures += 1
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 

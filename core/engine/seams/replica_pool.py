@@ -61,6 +61,7 @@ __all__ = [
     "ReplicaStartError",
     "ReplicaStatistics",
     "ReplicaStream",
+    "usable_cpus",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def _info_of(replica: ReplicaProcess) -> ReplicaInfo:
     )
 
 
-def _num_cpus() -> int:
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity), which replicas split between them."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -143,10 +145,6 @@ class ReplicaStream:
         self._tag: int | None = None
         self._queue: asyncio.Queue[StreamItem] | None = None
         self._is_done = False
-
-    @property
-    def replica_index(self) -> int:
-        return self._replica.index
 
     def __aiter__(self) -> ReplicaStream:
         return self
@@ -270,7 +268,7 @@ class ReplicaPool:
         self.native_decode = native_decode
         self.connector = connector
         self.role = role
-        self.threads_per_replica = threads_per_replica or max(1, _num_cpus() // num_replicas)
+        self.threads_per_replica = threads_per_replica or max(1, usable_cpus() // num_replicas)
         self.num_kv_callback_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replicas: list[ReplicaProcess] = []

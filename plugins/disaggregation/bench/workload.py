@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.engine.seams.replica_pool import usable_cpus
 from loopstack.plugins.disaggregation.bench.trace import AZURE_CODE_TRACE, ScaledRequest, load_scaled_trace
 
 __all__ = ["DisaggWorkload"]
@@ -115,7 +116,7 @@ class DisaggWorkload(Workload):
         from loopstack.inference.fleet import start_disaggregated_router, start_embedded_router
         from loopstack.plugins.disaggregation.plugin import DisaggregationConfig, topology_of
 
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cpus()
         options = EngineOptions(max_model_len=4096)
         common = {"dtype": "auto", "quantization": "int4", "native_decode": True}
         colocated = start_embedded_router("smollm2-135m-instruct", 1, options, threads_per_replica=cores, **common)
@@ -232,7 +233,7 @@ class DisaggWorkload(Workload):
 
     def config(self) -> dict[str, Any]:
         return {**self._settings, "model": "smollm2-135m-instruct (int4, native decode)",
-                "cores": len(os.sched_getaffinity(0)),
+                "cores": usable_cpus(),
                 "trace": f"{AZURE_CODE_TRACE} rows {self._settings['start']}-{self._settings['start'] + len(self._trace) - 1}, "
                          "gaps over 3 s cut to 3 s",
                 "prompt_tokens": sum(r.prompt_tokens for r in self._trace)}
