@@ -8,7 +8,14 @@ blocks before it (:func:`~loopstack.engine.seams.kv_events.hash_block_tokens`), 
 the tenant) mixed into the first block only. ``allocate`` reuses the cached blocks of the longest
 matching prefix; a hash match is confirmed by tokens, parent hash and salt, so a collision costs a
 miss, never wrong KV. A block at ref count 0 keeps its hash ("cached") until a fresh block is needed
-and it is evicted, least recently released first. Blocks that will be written to are never shared.
+and it is evicted, in the order of the eviction policy (:mod:`loopstack.engine.eviction`: ``lru``,
+``slru``, ``frequency``; switchable while serving with :meth:`BlockManager.set_policy`). Blocks that
+will be written to are never shared.
+
+Pins (:mod:`loopstack.engine.pins`) hold a sequence's prefix against eviction until a deadline,
+within ``max_pinned_blocks``. A second tier (a :class:`~loopstack.engine.block_types.TierStore`: int8
+K/V on the host behind the full-precision cache) receives evicted blocks and gives them back on a
+later hit: a prefix match continues into the tier where the primary cache misses.
 
 Scheduler loop: ``can_allocate`` -> ``allocate`` (prefill from ``num_cached_tokens``) ->
 ``mark_computed`` after each forward -> ``can_append`` / ``append_slots`` per decode step ->
@@ -18,8 +25,9 @@ BlockManager; its events go out on a thread-safe :class:`~loopstack.engine.seams
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -32,8 +40,11 @@ from loopstack.engine.block_types import (
     DuplicateSequenceError,
     OutOfBlocksError,
     SharedBlockError,
+    TierStore,
     UnknownSequenceError,
 )
+from loopstack.engine.eviction import BlockUse, EvictionPolicy, make_policy, refill
+from loopstack.engine.pins import Pin, PinTable
 from loopstack.engine.seams.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -54,6 +65,7 @@ __all__ = [
     "DuplicateSequenceError",
     "OutOfBlocksError",
     "SharedBlockError",
+    "TierStore",
     "UnknownSequenceError",
 ]
 
@@ -68,6 +80,28 @@ class _Block:
     parent_hash: bytes | None = None
     salt: bytes = b""
     token_ids: tuple[int, ...] = ()
+    hits: int = 0  # prefix hits served since it became a cache entry
+    depth: int = 0  # index in its chain
+    pins: int = 0  # live pins covering it
+
+
+@dataclass(eq=False)
+class _TierEntry:
+    slot: int
+    parent_hash: bytes | None
+    salt: bytes
+    token_ids: tuple[int, ...]
+    depth: int
+
+
+@dataclass
+class _Match:
+    """A prefix match: per block, its primary block id (None where the tier has it), its hash and
+    its tier entry (None where the primary cache has it)."""
+
+    block_ids: list[int | None]
+    hashes: list[bytes]
+    tier_entries: list[_TierEntry | None]
 
 
 @dataclass(eq=False)
@@ -87,6 +121,10 @@ class BlockManager:
         enable_prefix_caching: False is the baseline: no lookups, no sharing.
         event_bus: receives BlockStored / BlockRemoved / AllBlocksCleared.
         hash_fn: the chained block hash (replaceable to test collisions).
+        policy: the eviction policy, by name or as an instance (see :mod:`~loopstack.engine.eviction`).
+        max_pinned_blocks: how many blocks pins may hold (None: a quarter of the pool; 0: no pins).
+        tier: a second tier for evicted blocks (None: evicted KV is dropped).
+        clock: seconds, monotonic (pins end by it; replaceable in tests).
     """
 
     def __init__(
@@ -97,6 +135,10 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         event_bus: KVEventBus | None = None,
         hash_fn: HashFn = hash_block_tokens,
+        policy: str | EvictionPolicy = "lru",
+        max_pinned_blocks: int | None = None,
+        tier: TierStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
@@ -107,12 +149,18 @@ class BlockManager:
         self._hash_fn = hash_fn
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self._policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self._pinned_idle: set[int] = set()  # unreferenced blocks a pin holds: not evictable
+        self._pins = PinTable()
+        self.max_pinned_blocks = num_blocks // 4 if max_pinned_blocks is None else max_pinned_blocks
+        self._clock = clock
         self._hash_to_block: dict[bytes, int] = {}
         self._seqs: dict[Hashable, _Sequence] = {}
-        self._num_queried_tokens = 0
-        self._num_hit_tokens = 0
-        self._num_evictions = 0
+        self._tier = tier
+        self._tier_index: OrderedDict[bytes, _TierEntry] = OrderedDict()  # least recently used first
+        self._tier_free_slots: list[int] = list(range(tier.num_slots - 1, -1, -1)) if tier else []
+        self._counts: Counter[str] = Counter()
+        self._num_pinned_blocks = 0
 
     # -- scheduler API -----------------------------------------------------------------------------
 
@@ -127,10 +175,11 @@ class BlockManager:
         num_tokens = tokens if isinstance(tokens, int) else len(tokens)
         if num_tokens < 1:
             raise ValueError("a sequence needs at least one token")
+        self.expire_pins()
         if isinstance(tokens, int):
             return self._num_blocks_for(num_tokens) <= self._num_available()
-        hit_ids, _ = self._match_prefix(tokens, _salt_bytes(salt), _reuse_limit(num_tokens, max_cached_tokens))
-        return self._fits(num_tokens, hit_ids)
+        match = self._match_prefix(tokens, _salt_bytes(salt), _reuse_limit(num_tokens, max_cached_tokens))
+        return self._fits(num_tokens, match)
 
     def allocate(
         self, seq_id: Hashable, token_ids: Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None
@@ -147,8 +196,8 @@ class BlockManager:
         """
         limit = _reuse_limit(len(token_ids), max_cached_tokens)
         allocation = self._allocate(seq_id, token_ids, salt, max_cached_tokens=limit)
-        self._num_queried_tokens += len(token_ids)
-        self._num_hit_tokens += allocation.num_cached_tokens
+        self._counts["queried_tokens"] += len(token_ids)
+        self._counts["hit_tokens"] += allocation.num_cached_tokens
         return allocation
 
     def import_sequence(
@@ -222,6 +271,7 @@ class BlockManager:
                 raise SharedBlockError(f"{seq_id!r}: cannot cut inside shared block {tail.block_id}")
             if tail.block_hash is not None:
                 self._publish(BlockRemoved(block_hashes=(self._unregister(tail),)))
+                self._counts["rollback_removals"] += 1
         for block_id in reversed(seq.block_table[num_kept_blocks:]):
             self._release(block_id)
         del seq.block_table[num_kept_blocks:]
@@ -245,12 +295,102 @@ class BlockManager:
             The number of entries dropped.
         """
         num_entries = len(self._hash_to_block)
+        self._pins.clear()
+        evictable = self._policy.order()
+        for block_id in evictable:
+            self._policy.remove(block_id)
         for block_id in list(self._hash_to_block.values()):
             self._unregister(self._blocks[block_id])
-        self._free.extend(self._cached)
-        self._cached.clear()
+        self._free.extend(evictable)
+        self._free.extend(sorted(self._pinned_idle))
+        self._pinned_idle.clear()
+        self._tier_free_slots.extend(entry.slot for entry in self._tier_index.values())
+        self._tier_index.clear()
+        self._counts["reset_removals"] += num_entries
         self._publish(AllBlocksCleared())
         return num_entries
+
+    # -- eviction policy, pins ---------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    def set_policy(self, policy: str | EvictionPolicy) -> None:
+        """Switch the eviction policy, keeping every cached block (in the old policy's order)."""
+        new = make_policy(policy) if isinstance(policy, str) else policy
+        members = self._policy.order()
+        for block_id in members:
+            self._policy.remove(block_id)
+        self._policy = refill(new, ((b, self._use(self._blocks[b])) for b in members))
+
+    def pin(self, seq_id: Hashable, *, ttl_s: float, num_tokens: int | None = None, key: str | None = None) -> int:
+        """Hold the sequence's cached prefix (its full hashed blocks in ``num_tokens``, default all)
+        against eviction for ``ttl_s`` seconds; pinning the same ``key`` again renews it.
+
+        Pinned blocks count against ``max_pinned_blocks``: pins that end soonest are displaced to
+        make room, then the new pin is cut to what fits. Returns the number of blocks pinned.
+        """
+        seq = self._get(seq_id)
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.expire_pins()
+        limit = len(seq.block_hashes) if num_tokens is None else min(len(seq.block_hashes), num_tokens // self.block_size)
+        chain: list[tuple[int, bytes]] = []
+        for block_hash in seq.block_hashes[:limit]:
+            entry = self._hash_to_block.get(block_hash)  # the cache entry (a private copy is not one)
+            if entry is None:
+                break
+            chain.append((entry, block_hash))
+        if not chain or self.max_pinned_blocks <= 0:
+            return 0
+        key = key if key is not None else chain[-1][1].hex()
+        old = self._pins.pop(key)
+        if old is not None:
+            self._end_pin(old)
+        while self._num_pinned_blocks + self._num_unpinned(chain) > self.max_pinned_blocks:
+            displaced = self._pins.pop_soonest()
+            if displaced is None:
+                break
+            self._end_pin(displaced)
+            self._counts["pins_displaced"] += 1
+        room = self.max_pinned_blocks - self._num_pinned_blocks
+        kept = []
+        for block_id, block_hash in chain:
+            if self._blocks[block_id].pins == 0:
+                if room == 0:
+                    break
+                room -= 1
+            kept.append((block_id, block_hash))
+        if not kept:
+            return 0
+        pin = Pin(key, tuple(b for b, _ in kept), tuple(h for _, h in kept), self._clock() + ttl_s)
+        for block_id in pin.block_ids:
+            self._add_pin(self._blocks[block_id])
+        self._pins.add(pin)
+        return len(pin.block_ids)
+
+    def unpin(self, key: str) -> bool:
+        """End a pin now; its blocks become evictable (unless another pin holds them)."""
+        pin = self._pins.pop(key)
+        if pin is not None:
+            self._end_pin(pin)
+        return pin is not None
+
+    def expire_pins(self) -> int:
+        """End the pins whose time is up; returns how many ended."""
+        next_end = self._pins.next_expiry()
+        if next_end is None or next_end > self._clock():
+            return 0
+        expired = self._pins.pop_expired(self._clock())
+        for pin in expired:
+            self._end_pin(pin)
+        self._counts["pins_expired"] += len(expired)
+        return len(expired)
+
+    def pinned_keys(self) -> list[str]:
+        self.expire_pins()
+        return self._pins.keys()
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -289,26 +429,41 @@ class BlockManager:
 
     def statistics(self) -> BlockManagerStatistics:
         """Block counts and prefix-cache counters (hits in tokens, see BlockManagerStatistics)."""
-        num_free, num_cached = len(self._free), len(self._cached)
+        num_free, num_cached = len(self._free), len(self._policy) + len(self._pinned_idle)
+        counts = self._counts
         return BlockManagerStatistics(
             num_blocks=self.num_blocks,
             num_free_blocks=num_free,
             num_used_blocks=self.num_blocks - num_free - num_cached,
             num_cached_blocks=num_cached,
             num_sequences=len(self._seqs),
-            num_queried_tokens=self._num_queried_tokens,
-            num_hit_tokens=self._num_hit_tokens,
-            num_evictions=self._num_evictions,
+            num_queried_tokens=counts["queried_tokens"],
+            num_hit_tokens=counts["hit_tokens"],
+            num_evictions=counts["evictions"],
+            policy=self._policy.name,
+            num_pinned_blocks=self._num_pinned_blocks,
+            num_pins=len(self._pins),
+            num_pins_expired=counts["pins_expired"],
+            num_pins_displaced=counts["pins_displaced"],
+            num_rollback_removals=counts["rollback_removals"],
+            num_reset_removals=counts["reset_removals"],
+            num_tier_saves=counts["tier_saves"],
+            num_tier_loads=counts["tier_loads"],
+            num_tier_evictions=counts["tier_evictions"],
+            num_tier_hit_tokens=counts["tier_hit_tokens"],
+            num_tier_blocks=len(self._tier_index),
         )
 
     def snapshot(self) -> BlockPoolSnapshot:
         """A copy of every block's bookkeeping (O(num_blocks): for checks, not the hot path)."""
         return BlockPoolSnapshot(
             free_block_ids=tuple(self._free),
-            cached_block_ids=tuple(self._cached),
+            cached_block_ids=self._policy.order(),
             ref_counts=tuple(block.ref_count for block in self._blocks),
             block_hashes=tuple(block.block_hash for block in self._blocks),
             hash_to_block=dict(self._hash_to_block),
+            pinned_block_ids=tuple(sorted(self._pinned_idle)),
+            tier_hashes={h: entry.slot for h, entry in self._tier_index.items()},
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -328,42 +483,45 @@ class BlockManager:
         return self._num_blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_table)
 
     def _num_available(self) -> int:
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._policy)
 
-    def _fits(self, num_tokens: int, hit_ids: list[int]) -> bool:
-        # hits taken out of the cached pool stop being evictable
-        num_hits_in_pool = sum(1 for block_id in hit_ids if self._blocks[block_id].ref_count == 0)
-        num_new_blocks = self._num_blocks_for(num_tokens) - len(hit_ids)
+    def _fits(self, num_tokens: int, match: _Match) -> bool:
+        # hits taken out of the evictable pool stop being evictable; tier hits need fresh blocks
+        primary = [block_id for block_id in match.block_ids if block_id is not None]
+        num_hits_in_pool = sum(1 for block_id in primary if block_id in self._policy)
+        num_new_blocks = self._num_blocks_for(num_tokens) - len(primary)
         return num_new_blocks <= self._num_available() - num_hits_in_pool
 
     def _slots(self, seq: _Sequence, start: int, end: int) -> list[int]:
         size, table = self.block_size, seq.block_table
         return [table[i // size] * size + i % size for i in range(start, end)]
 
-    def _match_prefix(
-        self, token_ids: Sequence[int], salt: bytes, max_tokens: int
-    ) -> tuple[list[int], list[bytes]]:
-        """Cached blocks, and their hashes, of the longest prefix of full blocks in ``max_tokens``."""
-        hit_ids: list[int] = []
-        hashes: list[bytes] = []
+    def _match_prefix(self, token_ids: Sequence[int], salt: bytes, max_tokens: int) -> _Match:
+        """The longest prefix of full blocks in ``max_tokens`` cached here or in the second tier."""
+        match = _Match([], [], [])
         if not self.enable_prefix_caching:
-            return hit_ids, hashes
+            return match
         size = self.block_size
         parent: bytes | None = None
         for start in range(0, max_tokens - size + 1, size):
             block_tokens = tuple(token_ids[start : start + size])
             block_hash = self._hash_fn(parent, block_tokens, salt if parent is None else b"")
             block_id = self._hash_to_block.get(block_hash)
-            if block_id is None:
-                break
-            block = self._blocks[block_id]
-            # the hash only names a candidate: the content decides
-            if (block.token_ids, block.parent_hash, block.salt) != (block_tokens, parent, salt):
-                break
-            hit_ids.append(block_id)
-            hashes.append(block_hash)
+            entry = None
+            if block_id is not None:
+                block = self._blocks[block_id]
+                # the hash only names a candidate: the content decides
+                if (block.token_ids, block.parent_hash, block.salt) != (block_tokens, parent, salt):
+                    break
+            else:
+                entry = self._tier_index.get(block_hash)
+                if entry is None or (entry.token_ids, entry.parent_hash, entry.salt) != (block_tokens, parent, salt):
+                    break
+            match.block_ids.append(block_id)
+            match.hashes.append(block_hash)
+            match.tier_entries.append(entry)
             parent = block_hash
-        return hit_ids, hashes
+        return match
 
     def _allocate(
         self, seq_id: Hashable, token_ids: Sequence[int], salt: Salt, *, max_cached_tokens: int
@@ -372,33 +530,66 @@ class BlockManager:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r} needs at least one token")
+        self.expire_pins()
         salt_bytes = _salt_bytes(salt)
-        hit_ids, hit_hashes = self._match_prefix(token_ids, salt_bytes, max_cached_tokens)
-        if not self._fits(len(token_ids), hit_ids):
+        match = self._match_prefix(token_ids, salt_bytes, max_cached_tokens)
+        if not self._fits(len(token_ids), match):
             raise OutOfBlocksError(f"not enough blocks for the {len(token_ids)} tokens of {seq_id!r}")
-        for block_id in hit_ids:
-            if self._blocks[block_id].ref_count == 0:
-                del self._cached[block_id]
-            self._blocks[block_id].ref_count += 1
-        num_new_blocks = self._num_blocks_for(len(token_ids)) - len(hit_ids)
-        block_table = hit_ids + self._take_fresh_blocks(num_new_blocks)
-        num_cached = len(hit_ids) * self.block_size
+        for block_id in match.block_ids:
+            if block_id is not None:
+                self._take_back(self._blocks[block_id])
+        # tier hits leave the tier's LRU while fresh blocks are found (an offload must not drop them)
+        loads = [(h, e) for h, e in zip(match.hashes, match.tier_entries, strict=True) if e is not None]
+        for block_hash, _ in loads:
+            del self._tier_index[block_hash]
+        fresh = self._take_fresh_blocks(len(loads) + self._num_blocks_for(len(token_ids)) - len(match.block_ids))
+        loaded = iter(fresh[: len(loads)])
+        block_table: list[int] = []
+        run: list[_Block] = []  # loaded blocks in a row: one BlockStored each
+        for block_id, block_hash, entry in zip(match.block_ids, match.hashes, match.tier_entries, strict=True):
+            if entry is None:
+                assert block_id is not None
+                self._publish_stored(run)
+                run = []
+            else:
+                block_id = next(loaded)
+                self._load(self._blocks[block_id], block_hash, entry)
+                run.append(self._blocks[block_id])
+            block_table.append(block_id)
+        self._publish_stored(run)
+        block_table += fresh[len(loads):]
+        num_cached = len(match.hashes) * self.block_size
+        self._counts["tier_hit_tokens"] += len(loads) * self.block_size
         self._seqs[seq_id] = _Sequence(
-            block_table, list(token_ids), salt_bytes, len(token_ids), num_cached, hit_hashes
+            block_table, list(token_ids), salt_bytes, len(token_ids), num_cached, list(match.hashes)
         )
         return Allocation(tuple(block_table), num_cached)
 
+    def _take_back(self, block: _Block) -> None:
+        """A cached block serves a hit: out of the evictable set (or the pinned idle set), referenced."""
+        if block.ref_count == 0:
+            if block.pins:
+                self._pinned_idle.discard(block.block_id)
+            else:
+                self._policy.remove(block.block_id)
+        block.ref_count += 1
+        block.hits += 1
+
     def _take_fresh_blocks(self, count: int) -> list[int]:
-        """Empty blocks at ref count 1: from the free list, else evict the least recently released."""
+        """Empty blocks at ref count 1: from the free list, else the policy's victims (offloaded to
+        the second tier first, if there is one)."""
         block_ids: list[int] = []
         evicted_hashes: list[bytes] = []
         for _ in range(count):
             if self._free:
                 block_id = self._free.popleft()
             else:
-                block_id, _ = self._cached.popitem(last=False)
-                evicted_hashes.append(self._unregister(self._blocks[block_id]))
-                self._num_evictions += 1
+                block_id = self._policy.pop_victim()
+                block = self._blocks[block_id]
+                if self._tier is not None:
+                    self._offload(block)
+                evicted_hashes.append(self._unregister(block))
+                self._counts["evictions"] += 1
             self._blocks[block_id].ref_count = 1
             block_ids.append(block_id)
         if evicted_hashes:
@@ -410,16 +601,85 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0 and block.block_hash is None:
             self._free.append(block_id)
+        elif block.ref_count == 0 and block.pins:
+            self._pinned_idle.add(block_id)
         elif block.ref_count == 0:
-            self._cached[block_id] = None
+            self._policy.insert(block_id, self._use(block))
+
+    @staticmethod
+    def _use(block: _Block) -> BlockUse:
+        return BlockUse(hits=block.hits, depth=block.depth)
 
     def _unregister(self, block: _Block) -> bytes:
         block_hash = block.block_hash
         if block_hash is None:  # a bug in this class, not the caller's
             raise RuntimeError(f"block {block.block_id} is not a cache entry")
         del self._hash_to_block[block_hash]
+        if block.pins:  # its pins skip it from now on (they check the hash)
+            block.pins = 0
+            self._num_pinned_blocks -= 1
         block.block_hash, block.parent_hash, block.salt, block.token_ids = None, None, b"", ()
+        block.hits = block.depth = 0
         return block_hash
+
+    # -- pins, tier (internals) --------------------------------------------------------------------
+
+    def _num_unpinned(self, chain: list[tuple[int, bytes]]) -> int:
+        return sum(1 for block_id, _ in chain if self._blocks[block_id].pins == 0)
+
+    def _add_pin(self, block: _Block) -> None:
+        block.pins += 1
+        if block.pins == 1:
+            self._num_pinned_blocks += 1
+            if block.ref_count == 0:
+                self._policy.remove(block.block_id)
+                self._pinned_idle.add(block.block_id)
+
+    def _end_pin(self, pin: Pin) -> None:
+        for block_id, block_hash in zip(pin.block_ids, pin.block_hashes, strict=True):
+            block = self._blocks[block_id]
+            if block.block_hash != block_hash or block.pins == 0:
+                continue  # reused for other content since
+            block.pins -= 1
+            if block.pins == 0:
+                self._num_pinned_blocks -= 1
+                if block.ref_count == 0:
+                    self._pinned_idle.discard(block_id)
+                    self._policy.insert(block_id, self._use(block))
+
+    def _offload(self, block: _Block) -> None:
+        """Copy an evicted cache entry's KV into the second tier (or refresh it there)."""
+        assert self._tier is not None and block.block_hash is not None
+        if block.block_hash in self._tier_index:
+            self._tier_index.move_to_end(block.block_hash)
+            return
+        if not self._tier_free_slots:
+            if not self._tier_index:
+                return  # every slot is held by a load in progress
+            dropped, entry = self._tier_index.popitem(last=False)
+            self._tier_free_slots.append(entry.slot)
+            self._counts["tier_evictions"] += 1
+            self._publish(BlockRemoved(block_hashes=(dropped,), medium=self._tier.medium))
+        slot = self._tier_free_slots.pop()
+        self._tier.save(block.block_id, slot)
+        self._tier_index[block.block_hash] = _TierEntry(slot, block.parent_hash, block.salt, block.token_ids, block.depth)
+        self._counts["tier_saves"] += 1
+        if self._event_bus is not None:
+            self._event_bus.publish(BlockStored(
+                block_hashes=(block.block_hash,), parent_hash=block.parent_hash, token_ids=block.token_ids,
+                block_size=self.block_size, salt=block.salt or None, medium=self._tier.medium,
+            ))
+
+    def _load(self, block: _Block, block_hash: bytes, entry: _TierEntry) -> None:
+        """Copy a tier entry's KV into a fresh block and make the block its cache entry (the entry
+        stays in the tier too: a later eviction of the block costs no copy)."""
+        assert self._tier is not None
+        self._tier.load(entry.slot, block.block_id)
+        self._tier_index[block_hash] = entry
+        self._hash_to_block[block_hash] = block.block_id
+        block.block_hash, block.parent_hash, block.salt, block.token_ids = block_hash, entry.parent_hash, entry.salt, entry.token_ids
+        block.depth, block.hits = entry.depth, 1
+        self._counts["tier_loads"] += 1
 
     def _hash_full_blocks(self, seq: _Sequence) -> None:
         """Hash the newly full computed blocks; register them, publish each run of new entries."""
@@ -436,6 +696,7 @@ class BlockManager:
                 self._hash_to_block[block_hash] = block.block_id
                 block.block_hash, block.parent_hash = block_hash, parent
                 block.salt, block.token_ids = seq.salt, block_tokens
+                block.depth, block.hits = index, 0
                 run.append(block)
             else:
                 self._publish_stored(run)

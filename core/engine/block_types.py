@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from loopstack.engine.errors import EngineError
 
@@ -16,6 +16,7 @@ __all__ = [
     "DuplicateSequenceError",
     "OutOfBlocksError",
     "SharedBlockError",
+    "TierStore",
     "UnknownSequenceError",
 ]
 
@@ -62,32 +63,63 @@ class BlockExport:
     salt: bytes
 
 
+class TierStore(Protocol):
+    """Where evicted blocks' KV goes and comes back from (a second tier behind the KV cache).
+
+    The block manager does the bookkeeping (which content is in which of ``num_slots`` slots, LRU
+    within the tier) and calls these synchronously: ``save`` while an evicted block still holds its
+    KV, ``load`` into a fresh block before anything reads it. ``medium`` names the tier in KV events.
+    """
+
+    medium: str
+    num_slots: int
+
+    def save(self, block_id: int, slot: int) -> None: ...
+
+    def load(self, slot: int, block_id: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class BlockPoolSnapshot:
     """Every block's bookkeeping at one moment (invariant checks, debugging); a copy."""
 
     free_block_ids: tuple[int, ...]  # in the order fresh blocks are taken
-    cached_block_ids: tuple[int, ...]  # least recently released first: the eviction order
+    cached_block_ids: tuple[int, ...]  # evictable, in the policy's eviction order (next victim first)
     ref_counts: tuple[int, ...]  # by block id
     block_hashes: tuple[bytes | None, ...]  # by block id; set iff the block is its content's cache entry
     hash_to_block: dict[bytes, int]  # the prefix cache's index
+    pinned_block_ids: tuple[int, ...] = ()  # unreferenced but held by a pin (not evictable)
+    tier_hashes: dict[bytes, int] = field(default_factory=dict)  # second tier: content hash -> slot
 
 
 class BlockManagerStatistics(NamedTuple):
-    """Snapshot; every block is exactly one of free, used or cached.
+    """Snapshot; every block is exactly one of free, used or cached (evictable or pinned).
 
     Hit counters are in TOKENS over ``allocate`` calls only (not ``can_allocate`` probes, not
-    imports): ``num_queried_tokens`` sums prompt lengths, ``num_hit_tokens`` the ``num_cached_tokens``.
+    imports): ``num_queried_tokens`` sums prompt lengths, ``num_hit_tokens`` the ``num_cached_tokens``
+    (``num_tier_hit_tokens`` of them loaded back from the second tier).
     """
 
     num_blocks: int
     num_free_blocks: int  # no content
     num_used_blocks: int  # referenced by a live sequence
-    num_cached_blocks: int  # unreferenced but hashed: reusable until evicted
+    num_cached_blocks: int  # unreferenced but hashed: reusable until evicted (pinned ones included)
     num_sequences: int
     num_queried_tokens: int
     num_hit_tokens: int
-    num_evictions: int  # cached blocks dropped to make room
+    num_evictions: int  # cached blocks dropped to make room (reason: capacity)
+    policy: str = "lru"
+    num_pinned_blocks: int = 0  # blocks a live pin covers, referenced or not
+    num_pins: int = 0
+    num_pins_expired: int = 0
+    num_pins_displaced: int = 0  # pins ended early to make room for a newer one within the pin share
+    num_rollback_removals: int = 0  # cache entries dropped because their block was written again
+    num_reset_removals: int = 0  # cache entries dropped by reset_prefix_cache
+    num_tier_saves: int = 0  # evicted blocks copied into the second tier
+    num_tier_loads: int = 0  # blocks copied back on a hit
+    num_tier_evictions: int = 0  # tier entries dropped to make room in the tier
+    num_tier_hit_tokens: int = 0
+    num_tier_blocks: int = 0  # entries in the second tier now
 
     @property
     def num_missed_tokens(self) -> int:

@@ -1,0 +1,215 @@
+"""Eviction policies of the prefix cache: which unreferenced cached block gives its slot up first.
+
+The block manager keeps every block that holds reusable KV and no live sequence references in an
+:class:`EvictionPolicy`; when it needs a fresh block and the free list is empty, it asks the policy
+for a victim. Pinned blocks (see :mod:`loopstack.engine.pins`) never enter a policy while pinned.
+
+Three policies, each O(log n) or better per block:
+
+- ``lru``: least recently released first (a sequence releases its tail first, so a prefix's root is
+  evicted last). One ordered dict, O(1). The baseline, and what nano-vllm and vLLM do.
+- ``slru``: segmented LRU, scan resistant. A block that has never been reused since it was stored
+  sits in a *probation* segment; one that has served a hit is *protected*. Victims come from
+  probation first, so a burst of unique prompts (a scan) evicts only other one-time blocks and
+  never the hot system-prompt and tool blocks. Protected is held to ``protected_share`` of the
+  cached blocks; its overflow is demoted to probation's recent end. O(1).
+- ``frequency``: GreedyDual-style LFU with aging, the frequency- and size-aware choice. A block's
+  priority is ``clock + hits`` where ``hits`` counts the prefix hits it served (tokens saved per
+  block: hits per token, blocks being equal in size), and ``clock`` rises to each victim's priority,
+  so blocks that stopped being hit age out. A child block is never hit more often than its parent,
+  so chains are evicted from the leaves in; ties go to the deeper block, then the older release.
+  A heap with lazy deletion, O(log n).
+
+Third-party policies implement the same protocol and register in :data:`POLICIES`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "POLICIES",
+    "BlockUse",
+    "EvictionPolicy",
+    "FrequencyPolicy",
+    "LRUPolicy",
+    "SLRUPolicy",
+    "make_policy",
+]
+
+
+@dataclass(frozen=True)
+class BlockUse:
+    """What a policy may know of a block when it becomes evictable."""
+
+    hits: int  # prefix hits the block served since it was stored
+    depth: int  # its index in its chain (0: the first block of a prompt)
+
+
+class EvictionPolicy(Protocol):
+    """The set of evictable blocks, ordered by the policy.
+
+    The block manager calls ``insert`` when a cached block's last reference goes, ``remove`` when a
+    block leaves the set for another reason (a hit takes it back, a pin holds it, the cache is
+    reset), and ``pop_victim`` when it needs a slot.
+    """
+
+    name: str
+
+    def insert(self, block_id: int, use: BlockUse) -> None: ...
+
+    def remove(self, block_id: int) -> None: ...
+
+    def pop_victim(self) -> int: ...
+
+    def order(self) -> tuple[int, ...]:
+        """Every member, the next victim first (for snapshots and tests; may be O(n log n))."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, block_id: object) -> bool: ...
+
+
+class LRUPolicy:
+    """Least recently released first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        self._order[block_id] = None
+
+    def remove(self, block_id: int) -> None:
+        del self._order[block_id]
+
+    def pop_victim(self) -> int:
+        if not self._order:
+            raise LookupError("no evictable block")
+        return self._order.popitem(last=False)[0]
+
+    def order(self) -> tuple[int, ...]:
+        return tuple(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._order
+
+
+class SLRUPolicy:
+    """Segmented LRU: one-time blocks (probation) are evicted before reused ones (protected)."""
+
+    name = "slru"
+
+    def __init__(self, protected_share: float = 0.8) -> None:
+        if not 0.0 < protected_share <= 1.0:
+            raise ValueError(f"protected_share must be in (0, 1], got {protected_share}")
+        self.protected_share = protected_share
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        if use.hits == 0:
+            self._probation[block_id] = None
+            return
+        self._protected[block_id] = None
+        limit = max(1, int(self.protected_share * len(self)))
+        while len(self._protected) > limit:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def remove(self, block_id: int) -> None:
+        if block_id in self._probation:
+            del self._probation[block_id]
+        else:
+            del self._protected[block_id]
+
+    def pop_victim(self) -> int:
+        for segment in (self._probation, self._protected):
+            if segment:
+                return segment.popitem(last=False)[0]
+        raise LookupError("no evictable block")
+
+    def order(self) -> tuple[int, ...]:
+        return tuple(self._probation) + tuple(self._protected)
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._probation or block_id in self._protected
+
+
+class FrequencyPolicy:
+    """Lowest ``clock + hits`` first; the clock rises to each victim's priority (aging)."""
+
+    name = "frequency"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, int]] = []  # (priority, -depth, insertion, block_id)
+        self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
+        self._insertions = itertools.count()
+        self._clock = 0
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        insertion = next(self._insertions)
+        self._live[block_id] = insertion
+        heapq.heappush(self._heap, (self._clock + use.hits, -use.depth, insertion, block_id))
+        if len(self._heap) > 2 * len(self._live) + 64:
+            self._compact()
+
+    def remove(self, block_id: int) -> None:
+        del self._live[block_id]
+
+    def pop_victim(self) -> int:
+        while self._heap:
+            priority, _, insertion, block_id = heapq.heappop(self._heap)
+            if self._live.get(block_id) == insertion:
+                del self._live[block_id]
+                self._clock = max(self._clock, priority)
+                return block_id
+        raise LookupError("no evictable block")
+
+    def order(self) -> tuple[int, ...]:
+        return tuple(entry[3] for entry in sorted(self._heap) if self._live.get(entry[3]) == entry[2])
+
+    def _compact(self) -> None:
+        self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._live
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "slru": SLRUPolicy,
+    "frequency": FrequencyPolicy,
+}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by name. Raises ValueError naming the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+def refill(policy: EvictionPolicy, members: Iterable[tuple[int, BlockUse]]) -> EvictionPolicy:
+    """``policy`` with ``members`` inserted in order (switching policies keeps the cache)."""
+    for block_id, use in members:
+        policy.insert(block_id, use)
+    return policy
