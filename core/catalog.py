@@ -36,6 +36,7 @@ BUILTIN_PLUGIN_MODULES = (
     "loopstack.plugins.cache_routing",
     "loopstack.plugins.spec_decode",
     "loopstack.plugins.disaggregation",
+    "loopstack.plugins.kv_cache",
 )
 # Modules of the kernel itself that implement discovery hooks (not plugins).
 KERNEL_HOOK_MODULES = ("loopstack.bench.workloads",)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from loopstack.context import RequestContext
+    from loopstack.engine.cache_options import KVCacheOptions, Retention, RetentionRequest
     from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
@@ -105,6 +106,14 @@ class HookFacade:
 
     def topology(self, engine_config: Any) -> Any | None:
         return self.caller("loopstack_topology")(engine_config=engine_config)
+
+    def kv_cache(self, engine_config: Any) -> KVCacheOptions | None:
+        options: KVCacheOptions | None = self.caller("loopstack_kv_cache")(engine_config=engine_config)
+        return options
+
+    def kv_retention(self, request: RetentionRequest, ctx: RequestContext) -> Retention | None:
+        retention: Retention | None = self.caller("loopstack_kv_retention")(request=request, ctx=ctx)
+        return retention
 
     def engine_middleware(self, runtime: StackRuntime) -> list[MiddlewareFactory]:
         return [m for m in self.caller("loopstack_engine_middleware")(runtime=runtime) if m is not None]

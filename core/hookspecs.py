@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
     from collections.abc import Sequence
 
     from loopstack.context import RequestContext
+    from loopstack.engine.cache_options import KVCacheOptions, Retention, RetentionRequest
     from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import ReplicaView, RouteDecision, RouteRequest, RouterHandle
     from loopstack.runtime import StackRuntime
@@ -215,6 +216,22 @@ def loopstack_topology(engine_config: Any) -> Any | None:
     """Return the engine topology (for example separate prefill and decode workers).
     Called once when engines start. Stops at first non-None result; the default is
     colocated replicas."""
+
+
+@hookspec(firstresult=True)
+def loopstack_kv_cache(engine_config: Any) -> KVCacheOptions | None:
+    """How embedded engines manage their KV cache: a
+    :class:`~loopstack.engine.cache_options.KVCacheOptions` (eviction policy, pin share, second
+    tier, request log). Called when engines start and after every live reload (the policy and the
+    pin share switch then; the tier and the request log only at start). Stops at first non-None
+    result; the default is LRU, no pins, no tier."""
+
+
+@hookspec(firstresult=True)
+def loopstack_kv_retention(request: RetentionRequest, ctx: RequestContext) -> Retention | None:
+    """How long this request's prompt prefix stays pinned in the engine's KV cache once computed:
+    a :class:`~loopstack.engine.cache_options.Retention`, or None (the eviction policy decides).
+    Called once per request an embedded engine serves. Stops at first non-None result."""
 
 
 @hookspec
