@@ -10,6 +10,7 @@ task cancellation — aborts the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -18,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from loopstack.engine.cache_options import KVCacheOptions, Retention
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import LLMEngine, RequestOutput, Usage
@@ -106,6 +108,7 @@ class AsyncEngine:
         capture: HiddenCapture | None = None,
         hints: object | None = None,
         speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one :class:`RequestOutput` per step that touched the request; the last has
         ``finished=True``. Raises at once on invalid input (PromptTooLongError, ...).
@@ -113,13 +116,14 @@ class AsyncEngine:
         With ``capture``, one output carries ``hidden_state`` (see :class:`HiddenCapture`); when
         the capture ends before the prompt's last token, that output has no tokens. ``hints``
         (routing hints) are for a router in front of replicas; one engine ignores them.
-        ``speculation`` decodes it speculatively (see :mod:`loopstack.engine.speculator`).
+        ``speculation`` decodes it speculatively (see :mod:`loopstack.engine.speculator`);
+        ``retention`` pins its prompt prefix when it ends.
         """
         if self._stopped:
             raise RuntimeError("the engine is shut down")
         request_id = request_id or f"req-{next(self._ids)}"
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params or SamplingParams(), salt=salt,
-                                        capture=capture, speculation=speculation)
+                                        capture=capture, speculation=speculation, retention=retention)
         waiter = _Waiter(asyncio.get_running_loop())
         self._waiters[request_id] = waiter
         self._submit("add", seq)
@@ -143,12 +147,17 @@ class AsyncEngine:
         salt: str = "",
         capture: HiddenCapture | None = None,
         speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
     ) -> GenerationResult:
         """Run one request to the end and return its tokens, text, usage (and captured hidden state)."""
         return await GenerationResult.collect(
             self.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
-                        speculation=speculation)
+                        speculation=speculation, retention=retention)
         )
+
+    def configure_kv_cache(self, options: KVCacheOptions) -> None:
+        """Switch the eviction policy and the pin share between two steps (a live reload)."""
+        self._call_in_loop(functools.partial(self.engine.configure_kv_cache, options))
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (benchmarks: each run starts cold); returns the number of
@@ -197,6 +206,7 @@ class AsyncEngine:
             if stopped:
                 outputs += [o for rid in self.engine.unfinished_request_ids() if (o := self.engine.abort(rid))]
                 self._deliver(outputs)
+                self.engine.close()
                 return
             if self.engine.has_unfinished():
                 outputs += self._step()

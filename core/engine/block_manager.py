@@ -149,7 +149,7 @@ class BlockManager:
         self._hash_fn = hash_fn
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
-        self._policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self._policy: EvictionPolicy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
         self._pinned_idle: set[int] = set()  # unreferenced blocks a pin holds: not evictable
         self._pins = PinTable()
         self.max_pinned_blocks = num_blocks // 4 if max_pinned_blocks is None else max_pinned_blocks
@@ -310,7 +310,28 @@ class BlockManager:
         self._publish(AllBlocksCleared())
         return num_entries
 
-    # -- eviction policy, pins ---------------------------------------------------------------------
+    # -- eviction policy, pins, tier ---------------------------------------------------------------
+
+    def attach_tier(self, tier: TierStore) -> None:
+        """Put a second tier behind this cache (before any block is evicted into another one)."""
+        if self._tier_index:
+            raise RuntimeError("the block manager already has a tier with entries")
+        self._tier = tier
+        self._tier_free_slots = list(range(tier.num_slots - 1, -1, -1))
+
+    @property
+    def tier(self) -> TierStore | None:
+        return self._tier
+
+    def set_max_pinned_blocks(self, max_pinned_blocks: int) -> None:
+        """Change the pin share; pins that end soonest are dropped until the pinned blocks fit."""
+        self.max_pinned_blocks = max(0, max_pinned_blocks)
+        while self._num_pinned_blocks > self.max_pinned_blocks:
+            pin = self._pins.pop_soonest()
+            if pin is None:
+                break
+            self._end_pin(pin)
+            self._counts["pins_displaced"] += 1
 
     @property
     def policy(self) -> str:
@@ -318,7 +339,7 @@ class BlockManager:
 
     def set_policy(self, policy: str | EvictionPolicy) -> None:
         """Switch the eviction policy, keeping every cached block (in the old policy's order)."""
-        new = make_policy(policy) if isinstance(policy, str) else policy
+        new = make_policy(policy, self.num_blocks) if isinstance(policy, str) else policy
         members = self._policy.order()
         for block_id in members:
             self._policy.remove(block_id)
@@ -328,8 +349,9 @@ class BlockManager:
         """Hold the sequence's cached prefix (its full hashed blocks in ``num_tokens``, default all)
         against eviction for ``ttl_s`` seconds; pinning the same ``key`` again renews it.
 
-        Pinned blocks count against ``max_pinned_blocks``: pins that end soonest are displaced to
-        make room, then the new pin is cut to what fits. Returns the number of blocks pinned.
+        Pinned blocks count against ``max_pinned_blocks``: pins that end before this one are
+        displaced (soonest first) to make room, then it is cut to what fits. Returns the number of
+        blocks pinned.
         """
         seq = self._get(seq_id)
         if ttl_s <= 0:
@@ -348,8 +370,9 @@ class BlockManager:
         old = self._pins.pop(key)
         if old is not None:
             self._end_pin(old)
+        expires_at = self._clock() + ttl_s
         while self._num_pinned_blocks + self._num_unpinned(chain) > self.max_pinned_blocks:
-            displaced = self._pins.pop_soonest()
+            displaced = self._pins.pop_soonest(before=expires_at)
             if displaced is None:
                 break
             self._end_pin(displaced)
@@ -364,7 +387,7 @@ class BlockManager:
             kept.append((block_id, block_hash))
         if not kept:
             return 0
-        pin = Pin(key, tuple(b for b, _ in kept), tuple(h for _, h in kept), self._clock() + ttl_s)
+        pin = Pin(key, tuple(b for b, _ in kept), tuple(h for _, h in kept), expires_at)
         for block_id in pin.block_ids:
             self._add_pin(self._blocks[block_id])
         self._pins.add(pin)

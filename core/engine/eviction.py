@@ -12,7 +12,7 @@ Three policies, each O(log n) or better per block:
   sits in a *probation* segment; one that has served a hit is *protected*. Victims come from
   probation first, so a burst of unique prompts (a scan) evicts only other one-time blocks and
   never the hot system-prompt and tool blocks. Protected is held to ``protected_share`` of the
-  cached blocks; its overflow is demoted to probation's recent end. O(1).
+  pool; its overflow is demoted to probation's recent end. O(1).
 - ``frequency``: GreedyDual-style LFU with aging, the frequency- and size-aware choice. A block's
   priority is ``clock + hits`` where ``hits`` counts the prefix hits it served (tokens saved per
   block: hits per token, blocks being equal in size), and ``clock`` rises to each victim's priority,
@@ -81,7 +81,7 @@ class LRUPolicy:
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int = 0) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, block_id: int, use: BlockUse) -> None:
@@ -110,10 +110,11 @@ class SLRUPolicy:
 
     name = "slru"
 
-    def __init__(self, protected_share: float = 0.8) -> None:
+    def __init__(self, num_blocks: int, protected_share: float = 0.8) -> None:
         if not 0.0 < protected_share <= 1.0:
             raise ValueError(f"protected_share must be in (0, 1], got {protected_share}")
         self.protected_share = protected_share
+        self.max_protected = max(1, int(protected_share * num_blocks))
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
 
@@ -122,8 +123,7 @@ class SLRUPolicy:
             self._probation[block_id] = None
             return
         self._protected[block_id] = None
-        limit = max(1, int(self.protected_share * len(self)))
-        while len(self._protected) > limit:
+        while len(self._protected) > self.max_protected:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None
 
@@ -154,7 +154,7 @@ class FrequencyPolicy:
 
     name = "frequency"
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int = 0) -> None:
         self._heap: list[tuple[int, int, int, int]] = []  # (priority, -depth, insertion, block_id)
         self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
         self._insertions = itertools.count()
@@ -193,19 +193,21 @@ class FrequencyPolicy:
         return block_id in self._live
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+# name -> factory of a fresh policy for a pool of ``num_blocks`` blocks
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "slru": SLRUPolicy,
     "frequency": FrequencyPolicy,
 }
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by name. Raises ValueError naming the known ones."""
+def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
+    """A fresh policy by name for a pool of ``num_blocks``. Raises ValueError naming the known ones."""
     try:
-        return POLICIES[name]()
+        factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return factory(num_blocks)
 
 
 def refill(policy: EvictionPolicy, members: Iterable[tuple[int, BlockUse]]) -> EvictionPolicy:

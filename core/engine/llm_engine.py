@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.cache_options import KVCacheOptions, Retention
 from loopstack.engine.capture import CaptureAccumulator, HiddenCapture, check_capture
 from loopstack.engine.errors import EngineError
+from loopstack.engine.kv_tier import make_tier
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token, weight_bytes
+from loopstack.engine.request_log import RequestLog
 from loopstack.engine.sampler import sample, token_logprobs
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.scheduler import ScheduledChunk, Scheduler
@@ -49,6 +52,7 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
+    kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)  # eviction policy, pins, tier, log
 
 
 @dataclass(frozen=True)
@@ -105,13 +109,20 @@ class LLMEngine:
                                  model.config.max_position_embeddings)
         num_blocks = options.num_kv_blocks or _default_num_blocks(model, options, self.max_model_len)
         self.event_bus = event_bus
+        cache = options.kv_cache
         self.block_manager = BlockManager(
-            num_blocks, options.block_size, enable_prefix_caching=options.enable_prefix_caching, event_bus=event_bus
+            num_blocks, options.block_size, enable_prefix_caching=options.enable_prefix_caching, event_bus=event_bus,
+            policy=cache.policy, max_pinned_blocks=int(cache.max_pinned_share * num_blocks),
         )
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
+        tier = make_tier(cache.tier, self.runner.kv_cache, cache.tier_blocks or num_blocks)
+        if tier is not None:
+            self.block_manager.attach_tier(tier)
+            self.runner.tier = tier
+        self.request_log = RequestLog(cache.request_log, options.block_size) if cache.request_log else None
         self.speculator = Speculator(
             ProposerContext(model.config.vocab_size, tuple(tokenizer.eos_token_ids), model.device, tokenizer,
                             weight_bytes(model)),
@@ -138,6 +149,7 @@ class LLMEngine:
     def make_sequence(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
         capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None, prefill_only: bool = False,
+        retention: Retention | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence (safe from any thread; does not enqueue).
 
@@ -147,7 +159,8 @@ class LLMEngine:
         same as without (token for token when greedy, in distribution when sampling).
         ``prefill_only``: the prefill side of a disaggregated request; after its first token it
         ends with ``FinishReason.HANDOFF`` unless it is complete (EOS, a stop, ``max_tokens``
-        1), its blocks held until :meth:`release_held` (see :meth:`held_sequence`).
+        1), its blocks held until :meth:`release_held` (see :meth:`held_sequence`). ``retention``
+        pins its prompt prefix in the prefix cache when it ends (see :meth:`BlockManager.pin`).
 
         Raises PromptTooLongError, InvalidGrammarError, InvalidHiddenCaptureError (a layer the
         model lacks, a span past the prompt), ValueError (empty prompt, bad token id).
@@ -166,7 +179,7 @@ class LLMEngine:
             check_capture(capture, self.model.config, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, salt=salt,
                        capture=CaptureAccumulator(capture) if capture is not None else None,
-                       speculation_spec=speculation, prefill_only=prefill_only)
+                       speculation_spec=speculation, prefill_only=prefill_only, retention=retention)
         if params.grammar is not None:
             seq.grammar = self.grammar_backend.new_state(params.grammar)
         if params.seed is not None:
@@ -201,9 +214,10 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, salt: str = "",
         capture: HiddenCapture | None = None, speculation: SpeculationSpec | None = None, prefill_only: bool = False,
+        retention: Retention | None = None,
     ) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, params, salt=salt, capture=capture,
-                                 speculation=speculation, prefill_only=prefill_only)
+                                 speculation=speculation, prefill_only=prefill_only, retention=retention)
         self.add_sequence(seq)
         return seq
 
@@ -213,6 +227,7 @@ class LLMEngine:
         if seq is None:
             return None
         self._capturing.discard(request_id)
+        self._retire(seq)
         self.scheduler.finish(seq)
         self.speculator.detach(seq)
         seq.finish(FinishReason.ABORT)
@@ -230,6 +245,7 @@ class LLMEngine:
         if seq is None:
             return False
         if request_id in self.block_manager:
+            self._retire(seq)
             self.block_manager.free(request_id)
         return True
 
@@ -375,12 +391,45 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         handoff = seq.finish_reason is FinishReason.HANDOFF
+        if not handoff:
+            self._retire(seq)
         self.scheduler.finish(seq, keep_blocks=handoff)
         if handoff:
             self._held[seq.request_id] = seq
         self.speculator.detach(seq)
         self._seqs.pop(seq.request_id, None)
         self._capturing.discard(seq.request_id)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Before a sequence's blocks go: pin what its retention asks for, write its log row."""
+        request_id = seq.request_id
+        if request_id not in self.block_manager:
+            return
+        pinned = 0
+        if seq.retention is not None:
+            limit = len(seq.prompt_token_ids) if seq.retention.num_tokens is None else seq.retention.num_tokens
+            pinned = self.block_manager.pin(request_id, ttl_s=seq.retention.ttl_s, num_tokens=limit,
+                                            key=seq.retention.key) * self.block_manager.block_size
+        if self.request_log is not None:
+            now = time.perf_counter()
+            epoch = time.time()
+            computed = seq.token_ids[: self.block_manager.num_computed_tokens(request_id)]
+            self.request_log.record(
+                arrival_s=epoch - (now - seq.arrival_time), finish_s=epoch, prompt_token_ids=seq.prompt_token_ids,
+                computed_token_ids=computed, salt=seq.salt.encode(), cached_tokens=seq.num_cached_prompt_tokens,
+                pin_tokens=pinned, pin_ttl_s=seq.retention.ttl_s if pinned and seq.retention else 0.0,
+            )
+
+    def configure_kv_cache(self, options: KVCacheOptions) -> None:
+        """Apply what may change while serving (engine thread only): the eviction policy and the pin
+        share. The tier and the request log are fixed when the engine starts."""
+        self.block_manager.set_policy(options.policy)
+        self.block_manager.set_max_pinned_blocks(int(options.max_pinned_share * self.block_manager.num_blocks))
+
+    def close(self) -> None:
+        """Release what outlives steps (the request log's file)."""
+        if self.request_log is not None:
+            self.request_log.close()
 
     def _finish_failed(self, seq: Sequence) -> RequestOutput:
         self.speculator.detach(seq)

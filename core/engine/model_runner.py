@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.kv_cache = model.allocate_kv_cache(num_blocks, self.block_size)
         self.device = model.device
+        self.tier: Any = None  # a second tier (loopstack.engine.kv_tier): the forward waits for its copies
 
     @torch.inference_mode()
     def execute(self, chunks: Seq[ScheduledChunk], *, capture: bool = False) -> torch.Tensor | None:
@@ -50,6 +52,8 @@ class ModelRunner:
         chunks = [c for c in chunks if c.end > c.start]
         if not chunks:
             return None
+        if self.tier is not None:
+            self.tier.before_forward()
         meta, input_ids = self.metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
         rows = [int(ends[i]) + j - len(c.draft) for i, c in enumerate(chunks) if c.samples

@@ -3,8 +3,8 @@
 A :class:`Pin` names a chain of cache blocks (a system prompt, a tool block, a whole prompt a client
 asked to retain) and when it ends. The block manager keeps a pinned block out of its eviction
 policy while any pin covers it, and counts pinned blocks against ``max_pinned_blocks`` so pins
-cannot starve live requests: a new pin that does not fit displaces the pins that end soonest, then
-is cut to what fits. :class:`PinTable` is the bookkeeping: pins by key, ends in a heap.
+cannot starve live requests: a new pin that does not fit displaces the pins that end before it
+(soonest first), then is cut to what fits. :class:`PinTable` is the bookkeeping: pins by key, ends in a heap.
 """
 
 from __future__ import annotations
@@ -55,23 +55,19 @@ class PinTable:
                 expired.append(entry[1])
         return expired
 
-    def pop_soonest(self, *, keep: str | None = None) -> Pin | None:
-        """Remove and return the pin that ends first (not ``keep``); None if there is none."""
-        skipped = []
-        found = None
+    def pop_soonest(self, *, before: float = float("inf")) -> Pin | None:
+        """Remove and return the pin that ends first, if it ends before ``before``; else None."""
         while self._ends:
-            entry = heapq.heappop(self._ends)
-            live = self._pins.get(entry[2])
-            if live is None or live[0] != entry[1]:
+            expires_at, number, key = self._ends[0]
+            live = self._pins.get(key)
+            if live is None or live[0] != number:
+                heapq.heappop(self._ends)
                 continue
-            if entry[2] == keep:
-                skipped.append(entry)
-                continue
-            found = self._pins.pop(entry[2])[1]
-            break
-        for entry in skipped:
-            heapq.heappush(self._ends, entry)
-        return found
+            if expires_at >= before:
+                return None
+            heapq.heappop(self._ends)
+            return self._pins.pop(key)[1]
+        return None
 
     def clear(self) -> list[Pin]:
         pins = [entry[1] for entry in self._pins.values()]

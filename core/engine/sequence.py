@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loopstack.engine.cache_options import Retention
 from loopstack.engine.capture import CaptureAccumulator
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.text.grammar import GrammarState
@@ -92,6 +93,7 @@ class Sequence:
     speculation: SequenceSpeculation | None = None  # its state while it runs (see loopstack.engine.speculator)
     speculation_statistics: SpeculationStatistics | None = None  # what its speculation did, once it ended
     prefill_only: bool = False  # end with HANDOFF after the first token, blocks kept (disaggregation)
+    retention: Retention | None = None  # pin its prompt prefix when it ends (see loopstack.engine.cache_options)
     num_sampling_forwards: int = 0  # forwards that appended tokens to it (sampled one, or verified a draft)
 
     @property

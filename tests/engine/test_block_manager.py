@@ -287,20 +287,48 @@ def _salt_key(salt: str | bytes | None) -> bytes:
     return salt.encode() if isinstance(salt, str) else (salt or b"")
 
 
+class _SlotTier:
+    """A second tier over the machine's fake KV store: copies a block's slots out and back."""
+
+    medium = "TEST"
+
+    def __init__(self, kv: dict[int, tuple[bytes, tuple[int, ...]]], num_slots: int) -> None:
+        self.kv, self.num_slots = kv, num_slots
+        self.slots: dict[int, list[tuple[bytes, tuple[int, ...]] | None]] = {}
+
+    def save(self, block_id: int, slot: int) -> None:
+        self.slots[slot] = [self.kv.get(block_id * BLOCK_SIZE + offset) for offset in range(BLOCK_SIZE)]
+
+    def load(self, slot: int, block_id: int) -> None:
+        for offset, value in enumerate(self.slots[slot]):
+            if value is not None:
+                self.kv[block_id * BLOCK_SIZE + offset] = value
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives a small pool through random scheduler calls while a fake KV store checks the content.
 
     Token ``i``'s "KV" is (salt, tokens[: i + 1]): a wrong prefix hit, a write into a shared block, or
-    an evicted block still in use shows up as a slot holding the wrong value.
+    an evicted block still in use shows up as a slot holding the wrong value. Subclasses run it under
+    every eviction policy, with pins on a fake clock and a second tier that copies the fake KV (a
+    block loaded back from the tier must hold what was evicted).
     """
+
+    POLICY = "lru"
+    TIER_SLOTS = 0
+    MAX_PINNED = 0
+    NUM_BLOCKS = NUM_BLOCKS
 
     def __init__(self) -> None:
         super().__init__()
         self.bus = KVEventBus(buffer_size=0)
-        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, event_bus=self.bus)
+        self.kv: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        self.now = 0.0
+        tier = _SlotTier(self.kv, self.TIER_SLOTS) if self.TIER_SLOTS else None
+        self.bm = BlockManager(self.NUM_BLOCKS, BLOCK_SIZE, event_bus=self.bus, policy=self.POLICY,
+                               max_pinned_blocks=self.MAX_PINNED, tier=tier, clock=lambda: self.now)
         self.router_view: set[bytes] = set()  # what a router rebuilds from the events alone
         self.bus.subscribe(self._on_event)
-        self.kv: dict[int, tuple[bytes, tuple[int, ...]]] = {}
         self.tokens: dict[int, list[int]] = {}
         self.salts: dict[int, bytes] = {}
         self.computed: dict[int, int] = {}
@@ -308,6 +336,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.num_hit_tokens = 0
 
     def _on_event(self, event: KVCacheEvent) -> None:
+        if getattr(event, "medium", None) is not None:
+            return  # the tier's own entries: not the primary cache a router reads
         if isinstance(event, BlockStored):
             self.router_view.update(h for h in event.block_hashes if isinstance(h, bytes))
         elif isinstance(event, BlockRemoved):
@@ -347,6 +377,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.kv[slot] == self._expected(seq_id, index)
         if prefill_now:
             self._compute(seq_id, len(prompt))
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=4),
+          salt=st.sampled_from(SALTS))
+    def whole_request(self, prefix: tuple[int, ...], suffix: list[int], salt: str | bytes | None) -> None:
+        """Allocate, prefill and free in one go: cached blocks pile up, so evictions happen."""
+        before = self.next_seq_id
+        self.allocate(prefix, suffix, salt, prefill_now=True)
+        if before in self.tokens:
+            self.bm.free(before)
+            del self.tokens[before], self.salts[before], self.computed[before]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -401,17 +441,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()
 
+    @precondition(lambda self: self.tokens and self.MAX_PINNED)
+    @rule(data=st.data(), ttl=st.sampled_from([1.0, 5.0, 50.0]), key=st.sampled_from([None, "k1", "k2"]))
+    def pin(self, data: st.DataObject, ttl: float, key: str | None) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        pinned = self.bm.pin(seq_id, ttl_s=ttl, key=key)
+        assert 0 <= pinned <= self.MAX_PINNED
+
+    @precondition(lambda self: self.MAX_PINNED)
+    @rule(seconds=st.sampled_from([0.5, 3.0, 20.0]))
+    def advance_clock(self, seconds: float) -> None:
+        self.now += seconds
+        self.bm.expire_pins()
+
+    @precondition(lambda self: self.MAX_PINNED)
+    @rule(key=st.sampled_from(["k1", "k2"]))
+    def unpin(self, key: str) -> None:
+        self.bm.unpin(key)
+
+    @invariant()
+    def pins_stay_within_their_share_and_tier_within_its_slots(self) -> None:
+        stats, snapshot = self.bm.statistics(), self.bm.snapshot()
+        assert stats.num_pinned_blocks <= self.MAX_PINNED
+        assert len(snapshot.pinned_block_ids) <= stats.num_pinned_blocks
+        assert stats.num_tier_blocks == len(snapshot.tier_hashes) <= self.TIER_SLOTS
+        assert len(set(snapshot.tier_hashes.values())) == len(snapshot.tier_hashes)  # one entry per slot
+
     @invariant()
     def every_block_is_in_exactly_one_pool(self) -> None:
         snapshot = self.bm.snapshot()
         free, cached = list(snapshot.free_block_ids), list(snapshot.cached_block_ids)
+        pinned = list(snapshot.pinned_block_ids)
         used = [block_id for block_id, ref_count in enumerate(snapshot.ref_counts) if ref_count > 0]
-        assert sorted(free + cached + used) == list(range(NUM_BLOCKS))
+        assert sorted(free + cached + pinned + used) == list(range(self.NUM_BLOCKS))
         assert all(snapshot.block_hashes[b] is None for b in free)
-        assert all(snapshot.block_hashes[b] is not None for b in cached)
+        assert all(snapshot.block_hashes[b] is not None for b in cached + pinned)
         stats = self.bm.statistics()
         assert stats.num_free_blocks == len(free)
-        assert stats.num_cached_blocks == len(cached)
+        assert stats.num_cached_blocks == len(cached) + len(pinned)
         assert stats.num_used_blocks == len(used)
         assert stats.num_sequences == len(self.tokens)
         assert stats.num_hit_tokens == self.num_hit_tokens
@@ -462,3 +529,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerStateMachine = BlockManagerMachine.TestCase
 TestBlockManagerStateMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+# smaller pools, so that evictions into the tier and loads back from it are frequent
+class SLRUMachine(BlockManagerMachine):
+    POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "slru", 5, 3, 7
+
+
+class FrequencyMachine(BlockManagerMachine):
+    POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "frequency", 5, 3, 7
+
+
+class LRUWithPinsAndTierMachine(BlockManagerMachine):
+    POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "lru", 3, 2, 6
+
+
+for _machine in (SLRUMachine, FrequencyMachine, LRUWithPinsAndTierMachine):
+    _case = _machine.TestCase
+    _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+    globals()[f"Test{_machine.__name__}"] = _case
