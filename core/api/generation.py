@@ -15,6 +15,7 @@ from loopstack.api.tool_calls.grammar import TextFormatError, ToolChoiceError, r
 from loopstack.engine import SamplingParams
 
 if TYPE_CHECKING:
+    from loopstack.engine.cache_options import Retention
     from loopstack.engine.capture import HiddenCapture
     from loopstack.engine.config import ModelConfig
     from loopstack.engine.seams.speculation import SpeculationSpec
@@ -46,10 +47,12 @@ class EngineClient(Protocol):
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                salt: str = "", capture: HiddenCapture | None = None,
                hints: RouteHints | None = None,
-               speculation: SpeculationSpec | None = None) -> AsyncGenerator[Any, None]:
+               speculation: SpeculationSpec | None = None,
+               retention: Retention | None = None) -> AsyncGenerator[Any, None]:
         """The request's outputs as they come; closing the generator early aborts the request
         and frees its KV blocks. ``hints`` matter to a router (one engine ignores them);
-        ``speculation`` to an embedded engine (a remote one speculates by its own settings)."""
+        ``speculation`` and ``retention`` (pin the prompt prefix when it ends) to an embedded
+        engine (a remote one speculates and caches by its own settings)."""
         ...
 
 

@@ -21,6 +21,15 @@ class TextConfig(BaseModel):
     format: dict[str, Any] | None = None
 
 
+class PromptCacheOptions(_Body):
+    """``prompt_cache_options``: ``ttl`` is a minimum cache lifetime (the prompt is pinned that long,
+    within the stack's pin share); the other fields are accepted and have no effect here."""
+
+    model_config = ConfigDict(extra="allow")
+    ttl: Literal["30m", "12h"] | None = None
+    mode: Literal["implicit", "explicit"] | None = None
+
+
 class ResponsesRequest(_Body):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(default_factory=list)
@@ -36,6 +45,8 @@ class ResponsesRequest(_Body):
     store: bool = True
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     text: TextConfig | None = None
     stream: bool = False
 
@@ -67,3 +78,5 @@ class ChatCompletionsRequest(_Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None

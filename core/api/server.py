@@ -27,13 +27,16 @@ from loopstack.live import LiveStack
 
 if TYPE_CHECKING:
     from loopstack.engine import EngineOptions, LLMEngine
+    from loopstack.engine.cache_options import KVCacheOptions
     from loopstack.inference.router import Router
     from loopstack.stack.schema import EngineTable
 
 
-def engine_options(table: EngineTable) -> EngineOptions:
-    """The engine's own options from a stack's ``[engine]`` table."""
+def engine_options(table: EngineTable, kv_cache: KVCacheOptions | None = None) -> EngineOptions:
+    """The engine's own options from a stack's ``[engine]`` table (and the ``loopstack_kv_cache``
+    answer: eviction policy, pins, tier, request log)."""
     from loopstack.engine import EngineOptions
+    from loopstack.engine.cache_options import KVCacheOptions
 
     return EngineOptions(
         block_size=table.block_size,
@@ -41,14 +44,15 @@ def engine_options(table: EngineTable) -> EngineOptions:
         max_num_seqs=table.max_num_seqs,
         max_num_batched_tokens=table.max_num_batched_tokens,
         max_model_len=table.max_model_len,
+        kv_cache=kv_cache or KVCacheOptions(),
     )
 
 
-def engine_from_table(table: EngineTable) -> LLMEngine:
+def engine_from_table(table: EngineTable, kv_cache: KVCacheOptions | None = None) -> LLMEngine:
     """Build the one embedded engine a stack's ``[engine]`` table describes (``replicas = 1``)."""
     from loopstack.engine import build_engine
 
-    return build_engine(table.model, engine_options(table), device=table.device, dtype=table.dtype,
+    return build_engine(table.model, engine_options(table, kv_cache), device=table.device, dtype=table.dtype,
                         quantization=table.quantization, num_threads=table.threads,
                         native_decode=table.native_decode)
 
@@ -62,7 +66,7 @@ def remote_router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) ->
                                max_model_len=table.max_model_len, hooks_of=hooks_of)
 
 
-def router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router:
+def router_from_table(table: EngineTable, hooks_of: Callable[[], Any], kv_cache: KVCacheOptions | None = None) -> Router:
     """A router over ``replicas`` embedded engine processes (``[engine] replicas > 1``); every
     replica gets an equal share of the cores (or ``threads`` each)."""
     from loopstack.engine.device import resolve_device
@@ -70,13 +74,14 @@ def router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) -> Router
 
     device = str(resolve_device(table.device))
     return start_embedded_router(
-        table.model, table.replicas, engine_options(table), device=device, dtype=table.dtype,
+        table.model, table.replicas, engine_options(table, kv_cache), device=device, dtype=table.dtype,
         quantization=table.quantization, native_decode=table.native_decode, threads_per_replica=table.threads,
         hooks_of=hooks_of,
     )
 
 
-def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of: Callable[[], Any]) -> Router:
+def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of: Callable[[], Any],
+                                    kv_cache: KVCacheOptions | None = None) -> Router:
     """A router over the prefill and decode workers a ``loopstack_topology`` answer asks for."""
     from loopstack.engine.device import resolve_device
     from loopstack.inference.fleet import start_disaggregated_router
@@ -85,7 +90,7 @@ def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of:
         raise ValueError("[engine] remote servers and a disaggregated topology do not mix: disaggregation runs "
                          "embedded workers (turn [plugins.disaggregation] off, or remove [engine] remote)")
     return start_disaggregated_router(
-        table.model, topology, engine_options(table), device=str(resolve_device(table.device)), dtype=table.dtype,
+        table.model, topology, engine_options(table, kv_cache), device=str(resolve_device(table.device)), dtype=table.dtype,
         quantization=table.quantization, native_decode=table.native_decode, hooks_of=hooks_of,
     )
 
@@ -100,16 +105,17 @@ def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | N
     """Serve the stack ``live`` holds: start its engine (unless one is given), open the store."""
     stack = live.current.stack
     topology = live.current.hooks.topology(stack.engine) if engine is None else None
+    kv_cache = live.current.hooks.kv_cache(stack.engine)
     if topology is not None:
-        engine = disaggregated_router_from_table(stack.engine, topology, lambda: live.current.hooks)
+        engine = disaggregated_router_from_table(stack.engine, topology, lambda: live.current.hooks, kv_cache)
     elif engine is None and stack.engine.remote:
         engine = remote_router_from_table(stack.engine, lambda: live.current.hooks)
     elif engine is None and stack.engine.replicas > 1:
-        engine = router_from_table(stack.engine, lambda: live.current.hooks)
+        engine = router_from_table(stack.engine, lambda: live.current.hooks, kv_cache)
     elif engine is None:
         from loopstack.engine import AsyncEngine
 
-        engine = AsyncEngine(engine_from_table(stack.engine))
+        engine = AsyncEngine(engine_from_table(stack.engine, kv_cache))
     keyring = KeyRing.from_config(stack.api, environ=os.environ)
     store = ResponseStore(store_path or stack.api.store_path, ttl_s=stack.api.response_ttl_s)
     return ServerState(live=live, engine=engine, store=store, keyring=keyring, model_name=stack.engine.model,

@@ -31,6 +31,7 @@ from loopstack.api.errors import APIError
 from loopstack.api.generation import EngineClient, generation_inputs
 from loopstack.api.ids import new_id
 from loopstack.api.response_builder import ResponseBuilder, usage_of
+from loopstack.api.retention import retention_for
 from loopstack.api.schemas import ResponsesRequest
 from loopstack.api.store import ResponseStore, StoredResponse, StoreError
 from loopstack.api.tool_calls.parser import ToolCallStreamParser
@@ -219,6 +220,7 @@ class ResponsesService:
             "metadata": request.metadata or {},
             "text": text,
             "prompt_cache_key": request.prompt_cache_key,
+            "prompt_cache_retention": request.prompt_cache_retention,
         }
 
     # -- run: stream the engine, emit events, store -------------------------------------------
@@ -239,7 +241,8 @@ class ResponsesService:
                                         salt=tenant_salt(prepared.principal),
                                         capture=hidden.capture if hidden is not None else None,
                                         hints=RouteHints(prepared.request.prompt_cache_key, ctx),
-                                        speculation=ctx.hooks.proposer(ctx) if ctx is not None else None)
+                                        speculation=ctx.hooks.proposer(ctx) if ctx is not None else None,
+                                        retention=retention_for(prepared, self.engine.tokenizer, ctx))
             async with aclosing(stream) as outputs:  # closed early: the engine aborts and frees the KV
                 async for output in outputs:
                     last = output

@@ -34,4 +34,17 @@ class ServerState:
         result = self.live.reload()
         if result.ok and isinstance(self.engine, Router):
             self.engine.announce(self.live.current.hooks)
+        if result.ok:
+            self.apply_kv_cache()
         return result
+
+    def apply_kv_cache(self) -> None:
+        """Give the engine the serving stack's KV cache settings (``loopstack_kv_cache``): the
+        eviction policy and the pin share switch now; a tier or request log waits for a restart."""
+        from loopstack.engine.cache_options import KVCacheOptions
+
+        configure = getattr(self.engine, "configure_kv_cache", None)  # a remote or scripted engine has none
+        if configure is None:
+            return
+        options = self.live.current.hooks.kv_cache(self.live.current.stack.engine) or KVCacheOptions()
+        configure(options)

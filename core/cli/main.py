@@ -11,6 +11,7 @@ from pathlib import Path
 from loopstack import __version__
 from loopstack.catalog import PluginCatalog, PluginLoadError
 from loopstack.cli.agent import add_parsers as add_agent_parsers
+from loopstack.cli.kv import add_parsers as add_kv_parsers
 from loopstack.cli.model import add_parsers as add_model_parsers
 from loopstack.stack.errors import StackError
 from loopstack.stack.loader import StackLoader, list_stacks
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_agent_parsers(sub)
     add_model_parsers(sub)
+    add_kv_parsers(sub)
     return parser
 
 

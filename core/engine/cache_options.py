@@ -40,5 +40,6 @@ class RetentionRequest:
 
     num_prompt_tokens: int
     prompt_cache_key: str | None  # the client's affinity hint (Responses and chat completions field)
-    prompt_cache_retention: str | None  # "in_memory" (or "in-memory") or "24h", as the Responses API defines it
+    prompt_cache_retention: str | None  # "in_memory" or "24h" (a maximum retention), as the Responses API has it
+    prompt_cache_ttl_s: float | None  # prompt_cache_options.ttl in seconds (a minimum lifetime): "30m", "12h"
     static_prefix_tokens: Callable[[], int]  # tokens of the system prompt and tools before the first turn

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
+from loopstack.engine.cache_options import Retention
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.errors import EngineError
 from loopstack.engine.llm_engine import RequestOutput
@@ -58,9 +59,11 @@ class Backend(Protocol):
     def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
         capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; closing the iterator early aborts it on the replica. ``speculation``:
-        decode speculatively where the replica can (a remote server ignores it: it runs its own)."""
+        """The request's outputs; closing the iterator early aborts it on the replica. ``speculation``
+        and ``retention``: decode speculatively, pin the prompt prefix, where the replica can (a remote
+        server ignores both: it runs its own)."""
         ...
 
 
@@ -95,6 +98,7 @@ class EmbeddedBackend:
     def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
         capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
         return self.pool.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
-                                speculation=speculation, replica_index=self.index)
+                                speculation=speculation, retention=retention, replica_index=self.index)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from loopstack.engine.cache_options import Retention
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.errors import EngineError
 from loopstack.engine.llm_engine import RequestOutput, Usage
@@ -158,13 +159,14 @@ class DisaggregatedBackend:
     async def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
         capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
         overflow = self._overflow_to(len(prompt_token_ids))
         if overflow is not None:
             served = False
             try:
                 async for output in self._colocated(overflow, prompt_token_ids, params, request_id, salt, capture,
-                                                    speculation):
+                                                    speculation, retention):
                     served = True
                     yield output
                 return
@@ -182,8 +184,9 @@ class DisaggregatedBackend:
         handoff = None
         backlog = self.log.prefill_backlog
         backlog[self.index] = backlog.get(self.index, 0) + len(prompt_token_ids)
+        # the prompt's KV stays on the prefill worker (its cache serves the next prefills): pins go there
         prefill = self.prefill.prefill(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
-                                       lease_s=self.options.lease_s, replica_index=self.index)
+                                       lease_s=self.options.lease_s, replica_index=self.index, retention=retention)
         try:
             async with prefill:
                 async for item in prefill:
@@ -265,8 +268,8 @@ class DisaggregatedBackend:
         return index
 
     async def _colocated(self, index: int, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
-                         salt: str, capture: HiddenCapture | None,
-                         speculation: SpeculationSpec | None) -> AsyncIterator[RequestOutput]:
+                         salt: str, capture: HiddenCapture | None, speculation: SpeculationSpec | None,
+                         retention: Retention | None) -> AsyncIterator[RequestOutput]:
         """Serve the request whole on decode worker ``index`` (its prefill chunked small there)."""
         self.log.num_overflowed += 1
         backlog = self.log.decode_backlog
@@ -274,7 +277,7 @@ class DisaggregatedBackend:
         pending = True
         try:
             stream = self.decode.stream(prompt_token_ids, params, request_id=request_id, salt=salt, capture=capture,
-                                        speculation=speculation, replica_index=index)
+                                        speculation=speculation, retention=retention, replica_index=index)
             async with stream:
                 async for output in stream:
                     if pending:

@@ -107,9 +107,9 @@ class RemoteBackend:
 
     async def stream(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str,
-        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None,
+        capture: HiddenCapture | None, speculation: SpeculationSpec | None = None, retention: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        del speculation  # the server speculates (or not) by its own configuration
+        del speculation, retention  # the server speculates (or not) and caches by its own configuration
         if capture is not None:
             raise ValueError("a remote replica cannot capture hidden states")
         body = await self._body(prompt_token_ids, params, request_id)

@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from loopstack.engine.cache_options import KVCacheOptions, Retention
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.llm_engine import RequestOutput, Usage
@@ -55,7 +56,8 @@ __all__ = ["NoHealthyReplicaError", "Router", "RouterOptions", "RouterStatistics
 logger = logging.getLogger(__name__)
 
 _DONE = object()
-_Extras = tuple[HiddenCapture | None, SpeculationSpec | None]  # what a request asks of the engine beyond tokens
+# what a request asks of the engine beyond tokens
+_Extras = tuple[HiddenCapture | None, SpeculationSpec | None, Retention | None]
 
 
 class NoHealthyReplicaError(ReplicaUnavailableError):
@@ -148,7 +150,7 @@ class Router:
     async def stream(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, *, request_id: str | None = None,
         salt: str = "", capture: HiddenCapture | None = None, hints: RouteHints | None = None,
-        speculation: SpeculationSpec | None = None,
+        speculation: SpeculationSpec | None = None, retention: Retention | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs, from the replica the policy picks; closing early aborts it there.
 
@@ -166,7 +168,7 @@ class Router:
 
         request_id = request_id or f"route-{uuid.uuid4().hex[:12]}"
         future = self._loop.submit(self._serve(
-            list(prompt_token_ids), params or SamplingParams(), request_id, salt, (capture, speculation),
+            list(prompt_token_ids), params or SamplingParams(), request_id, salt, (capture, speculation, retention),
             hints or RouteHints(), put))
 
         def wake_if_cancelled(done: Any) -> None:  # the router shut down under this request
@@ -258,6 +260,20 @@ class Router:
             imbalance=load.imbalance,
         )
 
+    def configure_kv_cache(self, options: KVCacheOptions) -> None:
+        """Switch the eviction policy and pin share of every embedded replica (a live reload);
+        remote servers keep their own."""
+        pools = {}
+        for backend in self.backends:
+            for pool in _pools_of(backend):
+                pools[id(pool)] = pool
+
+        async def send() -> None:
+            for pool in pools.values():
+                pool.configure_kv_cache(options)
+
+        self._loop.run(send())
+
     def announce(self, hooks: Any) -> None:
         """Call ``loopstack_router_started`` on another stack's hooks (several stacks sharing one
         router, as the routing bench's columns do); runs on the router loop."""
@@ -338,9 +354,9 @@ class Router:
                            extras: _Extras, key: object, hints: RouteHints,
                            delivered: list[RequestOutput], put: Callable[[Any], None]) -> None:
         backend = self.backends[index]
-        capture, speculation = extras
+        capture, speculation, retention = extras
         stream = backend.stream(ids, params, request_id=request_id, salt=salt, capture=capture,
-                                speculation=speculation)
+                                speculation=speculation, retention=retention)
         try:
             while True:
                 timeout = self.options.stall_timeout_s if delivered else self.options.first_output_timeout_s
@@ -479,3 +495,10 @@ def _failed(request_id: str, ids: list[int], delivered: list[RequestOutput], mes
     num_generated = sum(len(output.new_token_ids) for output in delivered)
     usage = Usage(len(ids), last.cached_prompt_tokens, num_generated, last.time_to_first_token_s)
     return RequestOutput(request_id, [], "", True, FinishReason.ERROR, usage, error=message)
+
+
+def _pools_of(backend: Any) -> list[Any]:
+    """The replica pools behind a backend: its own (embedded), both of a disaggregated one, none
+    (remote). Each pool is configured once even when several backends share it."""
+    return [pool for pool in (getattr(backend, name, None) for name in ("pool", "prefill", "decode"))
+            if pool is not None and hasattr(pool, "configure_kv_cache")]

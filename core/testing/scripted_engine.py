@@ -65,8 +65,8 @@ class ScriptedEngine:
 
     async def stream(self, prompt_token_ids: list[int], params: Any, *, request_id: str | None = None,
                      salt: str = "", capture: HiddenCapture | None = None,
-                     hints: object | None = None,
-                     speculation: object | None = None) -> AsyncGenerator[RequestOutput, None]:
+                     hints: object | None = None, speculation: object | None = None,
+                     retention: object | None = None) -> AsyncGenerator[RequestOutput, None]:
         if capture is not None:
             raise ValueError("a scripted engine cannot capture hidden states (hidden_state_model is None)")
         self.prompts.append(list(prompt_token_ids))

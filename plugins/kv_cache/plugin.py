@@ -1,10 +1,12 @@
 """The ``kv_cache`` plugin: the engine's eviction policy, pinned prefixes, a second tier, a request log.
 
 Engine-wide settings go out through ``loopstack_kv_cache`` (asked when engines start and after every
-live reload); per request, ``loopstack_kv_retention`` maps what the client asked
-(``prompt_cache_retention="24h"``: the whole prompt, under its ``prompt_cache_key``) and what the
-stack asks (``pin_static_prefix``: the system prompt and tools) to a pin the engine takes once the
-prefix is computed. The block manager does the rest (:mod:`loopstack.engine.block_manager`).
+live reload); per request, ``loopstack_kv_retention`` maps what the client asked and what the stack
+asks to a pin the engine takes when the request ends: ``prompt_cache_options.ttl`` ("30m", "12h":
+a minimum lifetime) or ``prompt_cache_retention="24h"`` pin the whole prompt under its
+``prompt_cache_key`` (so a session's next turn replaces its last pin); otherwise
+``pin_static_prefix`` pins the system prompt and tools for ``pin_ttl_s``. Pins stay within
+``max_pinned_share`` of the cache. The block manager does the rest (:mod:`loopstack.engine.block_manager`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class KVCache(Plugin):
 
     @hookimpl
     def loopstack_kv_retention(self, request: RetentionRequest, ctx: RequestContext) -> Retention | None:
+        if request.prompt_cache_ttl_s is not None:  # prompt_cache_options.ttl: a minimum lifetime
+            return Retention(request.prompt_cache_ttl_s, None, request.prompt_cache_key)
         if request.prompt_cache_retention == EXTENDED_RETENTION:
             return Retention(self.config.extended_retention_s, None, request.prompt_cache_key)
         if not self.config.pin_static_prefix:

@@ -82,6 +82,7 @@ def _prepare(state: Any, body: ChatCompletionsRequest, principal: Any, completio
         model=body.model, input=items, tools=[_response_tool(t) for t in tools], tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls, max_output_tokens=max_tokens, temperature=body.temperature,
         top_p=body.top_p, seed=body.seed, store=False, prompt_cache_key=body.prompt_cache_key, stream=body.stream,
+        prompt_cache_retention=body.prompt_cache_retention, prompt_cache_options=body.prompt_cache_options,
     )
     return Prepared(request, principal, completion_id, items, prompt_ids, params, {t.name for t in tools})
 

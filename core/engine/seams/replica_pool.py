@@ -23,6 +23,7 @@ awaited :meth:`~ReplicaPool.start`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 from loopstack.engine.async_engine import GenerationResult
 from loopstack.engine.block_manager import BlockManagerStatistics
+from loopstack.engine.cache_options import KVCacheOptions, Retention
 from loopstack.engine.capture import HiddenCapture
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import EngineError
@@ -135,13 +137,14 @@ class ReplicaStream:
     def __init__(
         self, pool: ReplicaPool, replica: ReplicaProcess, request_id: str, prompt_token_ids: list[int],
         params: SamplingParams, salt: str, capture: HiddenCapture | None = None,
-        speculation: SpeculationSpec | None = None, *, message: tuple[Any, ...] | None = None,
+        speculation: SpeculationSpec | None = None, retention: Retention | None = None, *,
+        message: tuple[Any, ...] | None = None,
     ) -> None:
         self.request_id = request_id
         self._pool = pool
         self._replica = replica
         # the wire message without its tag: ("add", ...) unless a disaggregated one is given
-        self._message = message or ("add", request_id, prompt_token_ids, params, salt, capture, speculation)
+        self._message = message or ("add", request_id, prompt_token_ids, params, salt, capture, speculation, retention)
         self._tag: int | None = None
         self._queue: asyncio.Queue[StreamItem] | None = None
         self._is_done = False
@@ -370,6 +373,7 @@ class ReplicaPool:
         salt: str = "",
         capture: HiddenCapture | None = None,
         speculation: SpeculationSpec | None = None,
+        retention: Retention | None = None,
         replica_index: int | None = None,
     ) -> ReplicaStream:
         """Stream a request from one replica: ``async for output in pool.stream(ids, replica_index=0): ...``.
@@ -384,6 +388,7 @@ class ReplicaPool:
                 :meth:`AsyncEngine.stream <loopstack.engine.AsyncEngine.stream>`.
             speculation: decode speculatively (the spec pickles to the replica, which keeps its own
                 proposers).
+            retention: pin the prompt prefix in the replica's prefix cache when the request ends.
             replica_index: the replica to run on (a router's choice); None: the live replica with the
                 fewest open streams, the lowest index on a tie.
 
@@ -399,12 +404,13 @@ class ReplicaPool:
         request_id = request_id or f"pool-{replica_index}-{next(self._ids)}"
         return ReplicaStream(
             self, self._replicas[replica_index], request_id, list(prompt_token_ids), params or SamplingParams(), salt,
-            capture, speculation,
+            capture, speculation, retention,
         )
 
     def prefill(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, *, request_id: str, salt: str = "",
         capture: HiddenCapture | None = None, lease_s: float = 10.0, replica_index: int,
+        retention: Retention | None = None,
     ) -> ReplicaStream:
         """The prefill half of a disaggregated request on worker ``replica_index`` (a pool with a
         connector): its outputs, then one :class:`~loopstack.engine.seams.replica_worker.Handoff`
@@ -413,7 +419,7 @@ class ReplicaPool:
         taken there, in the prefill, and arrives on an output as in :meth:`stream`."""
         self._check_running()
         return ReplicaStream(self, self._replicas[replica_index], request_id, [], params, salt, message=(
-            "prefill", request_id, list(prompt_token_ids), params, salt, capture, lease_s))
+            "prefill", request_id, list(prompt_token_ids), params, salt, capture, lease_s, retention))
 
     def import_stream(self, state: RequestState, ticket: TransferTicket, *, timeout_s: float,
                       replica_index: int, speculation: SpeculationSpec | None = None) -> ReplicaStream:
@@ -471,6 +477,14 @@ class ReplicaPool:
         answers = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout)
         by_index = {r.index: a for r, a in zip(live, answers, strict=True) if isinstance(a, ChildStatistics)}
         return [self._statistics_of(r, by_index.get(r.index)) for r in self._replicas]
+
+    def configure_kv_cache(self, options: KVCacheOptions) -> None:
+        """Switch every live replica's eviction policy and pin share (a live reload); a replica
+        started later (a restart) gets them too."""
+        self.options = dataclasses.replace(self.options, kv_cache=options)
+        for replica in self._replicas:
+            if replica.is_alive and replica.is_accepting:
+                replica.send(("kv_cache", options))
 
     def subscribe_kv_events(self, callback: KVEventSubscriber) -> Callable[[], None]:
         """Call ``callback(replica_index, event)`` on the event loop for every KV cache event of every

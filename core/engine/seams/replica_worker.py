@@ -15,10 +15,11 @@ Wire format: every message is a pickled tuple whose first item names it.
 
 Parent -> child::
 
-    ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation)   # HiddenCapture | None, SpeculationSpec | None
-    ("prefill", tag, request_id, prompt_token_ids, params, salt, capture, lease_s)   # hand off after token 1
+    ("add", tag, request_id, prompt_token_ids, params, salt, capture, speculation, retention)   # | None each
+    ("prefill", tag, request_id, prompt_token_ids, params, salt, capture, lease_s, retention)   # hand off after token 1
     ("import", tag, RequestState, TransferTicket, timeout_s, speculation)   # fetch the KV, then decode
     ("release", lease_id)                            # a handed-off request's KV was fetched (or is not needed)
+    ("kv_cache", KVCacheOptions)                     # switch the eviction policy and pin share (a live reload)
     ("abort", tag)
     ("stats", token)
     ("shutdown",)                                    # abort what runs, reply, exit 0
@@ -319,23 +320,23 @@ class _ReplicaServer:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "add":
-            _, tag, request_id, prompt_token_ids, params, salt, capture, speculation = message
+            _, tag, request_id, prompt_token_ids, params, salt, capture, speculation, retention = message
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture,
-                                        speculation=speculation)
+                                        speculation=speculation, retention=retention)
             except Exception as exc:  # validation: the request never entered the engine
                 self._send(("rejected", tag, error_type_paths(exc), str(exc)))
                 return
             self.tag_of[request_id] = tag
             self.request_id_of[tag] = request_id
         elif kind == "prefill":
-            _, tag, request_id, prompt_token_ids, params, salt, capture, lease_s = message
+            _, tag, request_id, prompt_token_ids, params, salt, capture, lease_s, retention = message
             if self.connector is None:
                 self._send(("rejected", tag, error_type_paths(ValueError()), "this worker has no KV connector"))
                 return
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, salt=salt, capture=capture,
-                                        prefill_only=True)
+                                        prefill_only=True, retention=retention)
             except Exception as exc:
                 self._send(("rejected", tag, error_type_paths(exc), str(exc)))
                 return
@@ -361,6 +362,8 @@ class _ReplicaServer:
                 self.engine.abort(request_id)  # the parent dropped the stream: no output to send
         elif kind == "stats":
             self._send(("stats", message[1], self._statistics()))
+        elif kind == "kv_cache":
+            self.engine.configure_kv_cache(message[1])
         else:
             raise ValueError(f"unknown message {kind!r}")
 
