@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from loopstack.api.errors import APIError
+from loopstack.api.kv_gauges import render_kv_cache_metrics
 from loopstack.api.routes.chat_completions import chat_completions
 from loopstack.api.routes.common import error_response, handles_errors, principal_of, state_of
 from loopstack.api.routes.responses import create_response, delete_response, get_response
@@ -35,7 +36,8 @@ async def healthz(request: Request) -> Response:
 @handles_errors
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    text = state.live.metrics.render_prometheus() + await engine_gauges(state.engine)
+    text = (state.live.metrics.render_prometheus() + await engine_gauges(state.engine)
+            + await render_kv_cache_metrics(state.engine))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -160,6 +160,7 @@ class BlockManager:
         self._tier_index: OrderedDict[bytes, _TierEntry] = OrderedDict()  # least recently used first
         self._tier_free_slots: list[int] = list(range(tier.num_slots - 1, -1, -1)) if tier else []
         self._counts: Counter[str] = Counter()
+        self._policies_used: dict[str, None] = {}
         self._num_pinned_blocks = 0
 
     # -- scheduler API -----------------------------------------------------------------------------
@@ -196,8 +197,11 @@ class BlockManager:
         """
         limit = _reuse_limit(len(token_ids), max_cached_tokens)
         allocation = self._allocate(seq_id, token_ids, salt, max_cached_tokens=limit)
-        self._counts["queried_tokens"] += len(token_ids)
-        self._counts["hit_tokens"] += allocation.num_cached_tokens
+        policy = self._policy.name
+        for prefix in ("", f"{policy}:"):  # totals, and per policy (it can switch while serving)
+            self._counts[f"{prefix}queried_tokens"] += len(token_ids)
+            self._counts[f"{prefix}hit_tokens"] += allocation.num_cached_tokens
+        self._policies_used.setdefault(policy, None)
         return allocation
 
     def import_sequence(
@@ -475,6 +479,8 @@ class BlockManager:
             num_tier_evictions=counts["tier_evictions"],
             num_tier_hit_tokens=counts["tier_hit_tokens"],
             num_tier_blocks=len(self._tier_index),
+            tokens_by_policy=tuple((name, counts[f"{name}:queried_tokens"], counts[f"{name}:hit_tokens"])
+                                   for name in self._policies_used),
         )
 
     def snapshot(self) -> BlockPoolSnapshot:

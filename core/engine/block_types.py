@@ -120,6 +120,7 @@ class BlockManagerStatistics(NamedTuple):
     num_tier_evictions: int = 0  # tier entries dropped to make room in the tier
     num_tier_hit_tokens: int = 0
     num_tier_blocks: int = 0  # entries in the second tier now
+    tokens_by_policy: tuple[tuple[str, int, int], ...] = ()  # (policy, queried tokens, hit tokens) while it ran
 
     @property
     def num_missed_tokens(self) -> int:

@@ -260,16 +260,22 @@ class Router:
             imbalance=load.imbalance,
         )
 
+    def embedded_pools(self) -> list[tuple[str, Any]]:
+        """The replica pools behind this router, each once, with a name prefix for its replicas
+        ("" for colocated replicas; "prefill-" / "decode-" for a disaggregated pair)."""
+        pools: dict[int, tuple[str, Any]] = {}
+        for backend in self.backends:
+            for name, pool in _pools_of(backend):
+                pools.setdefault(id(pool), (name, pool))
+        return list(pools.values())
+
     def configure_kv_cache(self, options: KVCacheOptions) -> None:
         """Switch the eviction policy and pin share of every embedded replica (a live reload);
         remote servers keep their own."""
-        pools = {}
-        for backend in self.backends:
-            for pool in _pools_of(backend):
-                pools[id(pool)] = pool
+        pools = self.embedded_pools()
 
         async def send() -> None:
-            for pool in pools.values():
+            for _, pool in pools:
                 pool.configure_kv_cache(options)
 
         self._loop.run(send())
@@ -497,8 +503,9 @@ def _failed(request_id: str, ids: list[int], delivered: list[RequestOutput], mes
     return RequestOutput(request_id, [], "", True, FinishReason.ERROR, usage, error=message)
 
 
-def _pools_of(backend: Any) -> list[Any]:
+def _pools_of(backend: Any) -> list[tuple[str, Any]]:
     """The replica pools behind a backend: its own (embedded), both of a disaggregated one, none
-    (remote). Each pool is configured once even when several backends share it."""
-    return [pool for pool in (getattr(backend, name, None) for name in ("pool", "prefill", "decode"))
-            if pool is not None and hasattr(pool, "configure_kv_cache")]
+    (remote)."""
+    named = (("", "pool"), ("prefill-", "prefill"), ("decode-", "decode"))
+    return [(name, pool) for name, attribute in named if (pool := getattr(backend, attribute, None)) is not None
+            and hasattr(pool, "configure_kv_cache")]

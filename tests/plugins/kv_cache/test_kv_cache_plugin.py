@@ -71,9 +71,16 @@ def test_policy_pins_retention_fields_reload_and_request_log(tmp_path, write_sta
         bad = post(thread.url, input="Hi", prompt_cache_retention="7d")
         assert bad.status_code == 400 and "prompt_cache_retention" in bad.text
 
+        metrics = httpx.get(f"{thread.url}/metrics", timeout=30).text
+        assert 'loopstack_kv_cache_hit_tokens_total{replica="0",policy="slru"}' in metrics
+        assert 'loopstack_kv_cache_blocks{replica="0",state="pinned"}' in metrics
+        assert 'loopstack_kv_cache_evictions_total{replica="0",reason="capacity"}' in metrics
+
         stack.write_text(stack.read_text().replace('policy = "slru"', 'policy = "lru"'))
         assert state.reload().ok
         assert block_manager.policy == "lru"
+        post(thread.url, input="Hi")
+        assert [name for name, _, _ in block_manager.statistics().tokens_by_policy] == ["slru", "lru"]
     finally:
         thread.stop()
         close_state(state)
