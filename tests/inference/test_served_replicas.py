@@ -25,6 +25,10 @@ max_model_len = 2048
 
 [plugins.cache_routing]
 enabled = true
+
+[plugins.kv_cache]
+enabled = true
+policy = "slru"
 """
 
 
@@ -76,3 +80,18 @@ def test_the_server_logs_its_replica_set(caplog, tmp_path):
         state = build_state(tmp_path / "two.toml", store_path=tmp_path / "r.sqlite3")
         close_state(state)
     assert "replica embedded-0: pid" in caplog.text and "replica embedded-1: pid" in caplog.text
+
+
+def test_every_replica_reports_its_prefix_cache_and_switches_policy_on_reload(server):
+    from loopstack.engine.cache_options import KVCacheOptions
+
+    thread, state = server
+    respond(server, "Hello", "session-c")
+    metrics = httpx.get(thread.url + "/metrics", timeout=60).text
+    for replica in ("0", "1"):
+        assert f'loopstack_kv_cache_policy_info{{replica="{replica}",policy="slru"}} 1' in metrics
+    state.engine.configure_kv_cache(KVCacheOptions(policy="frequency"))  # what a live reload sends
+    respond(server, "Hello again", "session-c")
+    metrics = httpx.get(thread.url + "/metrics", timeout=60).text
+    for replica in ("0", "1"):
+        assert f'loopstack_kv_cache_policy_info{{replica="{replica}",policy="frequency"}} 1' in metrics
