@@ -25,8 +25,7 @@ __all__ = ["add_parsers", "cmd_kv_advise"]
 
 def cmd_kv_advise(args: argparse.Namespace) -> int:
     from loopstack.engine.eviction import POLICIES
-    from loopstack.plugins.cache_routing.bench.replay import ServiceModel
-    from loopstack.plugins.kv_cache.advisor.replay import infinite_cache
+    from loopstack.plugins.kv_cache.advisor.replay import DEFAULT_SERVICE, ServiceModel
     from loopstack.plugins.kv_cache.advisor.report import (
         Grid,
         advice_json,
@@ -38,6 +37,7 @@ def cmd_kv_advise(args: argparse.Namespace) -> int:
         run_grid,
     )
     from loopstack.plugins.kv_cache.advisor.traces import load_traces
+    from loopstack.plugins.kv_cache.advisor.units import infinite_cache
 
     try:
         requests = load_traces([Path(p) for p in args.traces], limit=args.limit)
@@ -48,8 +48,12 @@ def cmd_kv_advise(args: argparse.Namespace) -> int:
         block_sizes = tuple(int(b) for b in _names(args.block_sizes)) if args.block_sizes else default_block_sizes(requests)
         capacities = (tuple(parse_tokens(c) for c in _names(args.capacities)) if args.capacities
                       else default_capacities(requests, block_sizes))
-        grid = Grid(block_sizes, capacities, policies, (0, args.tier_slots) if args.tier_slots else (0,))
-        service = ServiceModel(prefill_tokens_per_s=args.prefill_tokens_per_s, decode_s_per_token=args.decode_s_per_token)
+        tier_tokens = args.tier_slots * requests[0].block_size  # the same host memory at every block size
+        grid = Grid(block_sizes, capacities, policies, (0, tier_tokens) if tier_tokens else (0,))
+        service = ServiceModel(
+            prefill_tokens_per_s=args.prefill_tokens_per_s or DEFAULT_SERVICE.prefill_tokens_per_s,
+            decode_s_per_token=DEFAULT_SERVICE.decode_s_per_token if args.decode_s_per_token is None else args.decode_s_per_token,
+        )
         results = run_grid(requests, grid, service=service, progress=not args.no_progress)
         bounds = {size: infinite_cache(requests, size) for size in block_sizes}
     except (OSError, ValueError) as exc:
@@ -81,13 +85,14 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--policies", metavar="LIST", help="eviction policies (default: all: lru,slru,frequency)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--tier-slots", type=int, default=0, metavar="N",
-                   help="also replay with a second tier of N blocks behind the cache")
+                   help="also replay with a second tier behind the cache: N slots of the trace's block size "
+                   "(the same tokens at every block size)")
     p.add_argument("--share", type=float, default=0.95,
                    help="recommend the smallest capacity saving this share of the largest's best (default 0.95)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=16_000.0,
-                   help="modelled prefill speed, for rows without finish times (default 16000)")
-    p.add_argument("--decode-s-per-token", type=float, default=0.025,
-                   help="modelled decode time per output token (default 0.025)")
+    p.add_argument("--prefill-tokens-per-s", type=float, metavar="N",
+                   help="modelled prefill speed of the one engine, for rows without finish times (default 64000)")
+    p.add_argument("--decode-s-per-token", type=float, metavar="S",
+                   help="modelled decode time per output token (default 0.005)")
     p.add_argument("--json", metavar="PATH", help="also write every figure and the recommendation as JSON")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_kv_advise)

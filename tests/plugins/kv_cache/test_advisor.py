@@ -14,7 +14,7 @@ from loopstack.bench.workload import BenchOptions
 from loopstack.cli.main import main
 from loopstack.engine.request_log import RequestLog
 from loopstack.plugins.cache_routing.bench.trace import AGENT_TRACE, MOONCAKE_TRACE
-from loopstack.plugins.kv_cache.advisor.replay import ReplayConfig, ReplayResult, infinite_cache, replay
+from loopstack.plugins.kv_cache.advisor.replay import ReplayConfig, ReplayResult, ServiceModel, replay
 from loopstack.plugins.kv_cache.advisor.report import (
     Advice,
     default_capacities,
@@ -28,6 +28,7 @@ from loopstack.plugins.kv_cache.advisor.traces import (
     load_requests,
     load_traces,
 )
+from loopstack.plugins.kv_cache.advisor.units import infinite_cache
 from loopstack.plugins.kv_cache.bench.variants import policy_spec
 from loopstack.plugins.kv_cache.bench.workload import KVWorkload, ScanSettings, with_scans
 from tests.support import SHARED_DATA
@@ -214,7 +215,7 @@ def test_a_prompt_larger_than_the_cache_is_skipped_and_counted():
 def test_modelled_time_queues_prefills_one_at_a_time():
     # two 16,000-token prompts at once: the second starts when the first's prefill ends (1 s at 16k tokens/s)
     trace = [request(0.0, list(range(32)), 16_000), request(0.0, list(range(100, 132)), 16_000)]
-    result = replay(trace, ReplayConfig(G, 256 * G))
+    result = replay(trace, ReplayConfig(G, 256 * G), service=ServiceModel(prefill_tokens_per_s=16_000.0))
     assert result.prefill_s == pytest.approx(2.0) and result.mean_queue_s == pytest.approx(0.5)
 
 
@@ -229,11 +230,31 @@ def test_the_never_evicting_bound_is_what_an_ample_cache_reaches():
 def test_policy_variants_replay_beside_the_engines():
     prompts = [[10 * p + i for i in range(4)] for p in range(3)]
     cyclic = [request(10.0 * n, prompts[n % 3]) for n in range(12)]
-    for name in ("gdsf", "gd", "slru50"):
+    for name in ("gd", "gdsf", "gdsf4", "gdsf2d", "slru50", "slru_evictable"):
         result = replay(cyclic, ReplayConfig(G, 12 * G, policy_spec(name)))
         assert result.config.policy_name == name and result.num_hit_tokens == 9 * 3 * G
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         policy_spec("nope")
+
+
+def _rounds_until_evicted(policy, rounds: int = 50) -> int | None:
+    """A block that served 5 hits, then a stream of fresh blocks, one victim per fresh block."""
+    from loopstack.engine.eviction import BlockUse
+
+    policy.insert(0, BlockUse(hits=5, depth=0))
+    policy.insert(1, BlockUse(hits=0, depth=0))
+    for n in range(rounds):
+        if policy.pop_victim() == 0:
+            return n
+        policy.insert(n + 2, BlockUse(hits=0, depth=0))
+    return None
+
+
+def test_frequency_never_ages_out_a_hit_block_while_fresh_blocks_come_and_gdsf_does():
+    from loopstack.engine.eviction import FrequencyPolicy
+
+    assert _rounds_until_evicted(FrequencyPolicy(16)) is None  # fresh blocks enter at the clock: it never rises
+    assert _rounds_until_evicted(policy_spec("gdsf")(16)) == 5  # each fresh victim raises the clock by one
 
 
 # -- recommendation --------------------------------------------------------------------------------

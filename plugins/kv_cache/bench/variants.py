@@ -1,0 +1,122 @@
+"""Variants of the engine's eviction policies, to try in the ``kv`` bench (``-o variants=...``).
+
+Not shipped policies: experiments, each a small change to one of :mod:`loopstack.engine.eviction`'s,
+so the bench can show which change wins on which workload before the engine adopts one.
+
+- ``gd``: the engine's ``frequency`` (GreedyDual, priority ``clock + hits``) with ties broken by age
+  (least recently released first) instead of depth first. ``free`` releases a sequence's tail
+  first, so chains still go from the leaves in.
+- ``gdsf``: ``gd`` where a block starts at ``clock + 1 + hits`` (GreedyDual-Size-Frequency counts
+  the insertion as a use). Evicting a fresh block then raises the clock, so blocks hit long ago age
+  out; in ``frequency`` fresh blocks enter at ``clock`` and are evicted first, the clock stays, and
+  blocks of finished sessions with many hits are never evicted while fresh blocks keep coming.
+- ``gdsf4``: ``gdsf`` with hits counted up to 4 (a block hit 40 times ages out as fast as one hit 4).
+- ``gdsf2d``: ``gdsf`` with hits counted up to 2 and the engine's depth-first ties.
+- ``slru50``: ``slru`` with half the pool protected instead of 80%.
+- ``slru_evictable``: ``slru`` with protected held to 80% of the *evictable* blocks (not of the
+  pool): blocks live requests hold cannot starve probation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loopstack.engine.eviction import POLICIES, BlockUse, EvictionPolicy, SLRUPolicy
+
+__all__ = ["VARIANTS", "EvictableShareSLRUPolicy", "GreedyDualPolicy", "NamedPolicy", "policy_spec"]
+
+
+class GreedyDualPolicy:
+    """Lowest ``clock + initial + min(hits, max_hits)`` first, ties to the least recently released."""
+
+    def __init__(
+        self, num_blocks: int = 0, *, name: str = "gd", initial: int = 0, max_hits: int | None = None, deep_first: bool = False
+    ) -> None:
+        self.name = name
+        self.initial = initial
+        self.max_hits = max_hits
+        self.deep_first = deep_first  # ties: the deeper block first (the engine's frequency), else the older
+        self._heap: list[tuple[int, int, int, int]] = []  # (priority, tie, insertion, block_id)
+        self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
+        self._insertions = itertools.count()
+        self._clock = 0
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        insertion = next(self._insertions)
+        self._live[block_id] = insertion
+        hits = use.hits if self.max_hits is None else min(use.hits, self.max_hits)
+        tie = -use.depth if self.deep_first else 0
+        heapq.heappush(self._heap, (self._clock + self.initial + hits, tie, insertion, block_id))
+        if len(self._heap) > 2 * len(self._live) + 64:
+            self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
+            heapq.heapify(self._heap)
+
+    def remove(self, block_id: int) -> None:
+        del self._live[block_id]
+
+    def pop_victim(self) -> int:
+        while self._heap:
+            priority, _, insertion, block_id = heapq.heappop(self._heap)
+            if self._live.get(block_id) == insertion:
+                del self._live[block_id]
+                self._clock = max(self._clock, priority)
+                return block_id
+        raise LookupError("no evictable block")
+
+    def order(self) -> tuple[int, ...]:
+        return tuple(entry[3] for entry in sorted(self._heap) if self._live.get(entry[3]) == entry[2])
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._live
+
+
+@dataclass(frozen=True)
+class NamedPolicy:
+    """A policy factory with a name (what :class:`~..advisor.replay.ReplayConfig` takes as a variant)."""
+
+    name: str
+    factory: Callable[[int], EvictionPolicy]
+
+    def __call__(self, num_blocks: int) -> EvictionPolicy:
+        return self.factory(num_blocks)
+
+
+class EvictableShareSLRUPolicy(SLRUPolicy):
+    """``slru`` with protected held to ``protected_share`` of the evictable blocks, not of the pool."""
+
+    name = "slru_evictable"
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        if use.hits == 0:
+            self._probation[block_id] = None
+            return
+        self._protected[block_id] = None
+        limit = max(1, int(self.protected_share * len(self)))
+        while len(self._protected) > limit:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+
+VARIANTS: dict[str, NamedPolicy] = {
+    "gd": NamedPolicy("gd", lambda n: GreedyDualPolicy(n, name="gd")),
+    "gdsf": NamedPolicy("gdsf", lambda n: GreedyDualPolicy(n, name="gdsf", initial=1)),
+    "gdsf4": NamedPolicy("gdsf4", lambda n: GreedyDualPolicy(n, name="gdsf4", initial=1, max_hits=4)),
+    "gdsf2d": NamedPolicy("gdsf2d", lambda n: GreedyDualPolicy(n, name="gdsf2d", initial=1, max_hits=2, deep_first=True)),
+    "slru50": NamedPolicy("slru50", lambda n: SLRUPolicy(n, protected_share=0.5)),
+    "slru_evictable": NamedPolicy("slru_evictable", lambda n: EvictableShareSLRUPolicy(n)),
+}
+
+
+def policy_spec(name: str) -> str | NamedPolicy:
+    """An engine policy's name as is, a variant's factory; ValueError naming both kinds."""
+    if name in POLICIES:
+        return name
+    if name in VARIANTS:
+        return VARIANTS[name]
+    raise ValueError(f"unknown policy {name!r}; engine: {', '.join(POLICIES)}; variants: {', '.join(VARIANTS)}")
