@@ -112,6 +112,7 @@ class _Sequence:
     num_tokens: int  # reserved slots
     num_computed_tokens: int
     block_hashes: list[bytes]  # chain over the leading full computed blocks
+    cold: bool = False  # its allocation found no block of its prompt cached
 
 
 class BlockManager:
@@ -277,7 +278,7 @@ class BlockManager:
                 self._publish(BlockRemoved(block_hashes=(self._unregister(tail),)))
                 self._counts["rollback_removals"] += 1
         for block_id in reversed(seq.block_table[num_kept_blocks:]):
-            self._release(block_id)
+            self._release(block_id, cold=seq.cold)
         del seq.block_table[num_kept_blocks:]
         del seq.token_ids[num_tokens:]
         del seq.block_hashes[num_tokens // self.block_size :]
@@ -289,7 +290,7 @@ class BlockManager:
         seq = self._get(seq_id)
         # tail first: the least reusable part of a prefix is then evicted first
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            self._release(block_id, cold=seq.cold)
         del self._seqs[seq_id]
 
     def reset_prefix_cache(self) -> int:
@@ -564,6 +565,7 @@ class BlockManager:
         match = self._match_prefix(token_ids, salt_bytes, max_cached_tokens)
         if not self._fits(len(token_ids), match):
             raise OutOfBlocksError(f"not enough blocks for the {len(token_ids)} tokens of {seq_id!r}")
+
         for block_id in match.block_ids:
             if block_id is not None:
                 self._take_back(self._blocks[block_id])
@@ -590,7 +592,8 @@ class BlockManager:
         num_cached = len(match.hashes) * self.block_size
         self._counts["tier_hit_tokens"] += len(loads) * self.block_size
         self._seqs[seq_id] = _Sequence(
-            block_table, list(token_ids), salt_bytes, len(token_ids), num_cached, list(match.hashes)
+            block_table, list(token_ids), salt_bytes, len(token_ids), num_cached, list(match.hashes),
+            cold=self.enable_prefix_caching and not match.hashes and len(token_ids) > self.block_size,
         )
         return Allocation(tuple(block_table), num_cached)
 
@@ -625,7 +628,7 @@ class BlockManager:
             self._publish(BlockRemoved(block_hashes=tuple(evicted_hashes)))
         return block_ids
 
-    def _release(self, block_id: int) -> None:
+    def _release(self, block_id: int, *, cold: bool = False) -> None:
         block = self._blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0 and block.block_hash is None:
@@ -633,11 +636,11 @@ class BlockManager:
         elif block.ref_count == 0 and block.pins:
             self._pinned_idle.add(block_id)
         elif block.ref_count == 0:
-            self._policy.insert(block_id, self._use(block))
+            self._policy.insert(block_id, self._use(block, cold=cold))
 
     @staticmethod
-    def _use(block: _Block) -> BlockUse:
-        return BlockUse(hits=block.hits, depth=block.depth)
+    def _use(block: _Block, *, cold: bool = False) -> BlockUse:
+        return BlockUse(hits=block.hits, depth=block.depth, cold=cold)
 
     def _unregister(self, block: _Block) -> bytes:
         block_hash = block.block_hash

@@ -12,13 +12,17 @@ Three policies, each O(log n) or better per block:
   sits in a *probation* segment; one that has served a hit is *protected*. Victims come from
   probation first, so a burst of unique prompts (a scan) evicts only other one-time blocks and
   never the hot system-prompt and tool blocks. Protected is held to ``protected_share`` of the
-  pool; its overflow is demoted to probation's recent end. O(1).
-- ``frequency``: GreedyDual-style LFU with aging, the frequency- and size-aware choice. A block's
-  priority is ``clock + hits`` where ``hits`` counts the prefix hits it served (tokens saved per
-  block: hits per token, blocks being equal in size), and ``clock`` rises to each victim's priority,
-  so blocks that stopped being hit age out. A child block is never hit more often than its parent,
-  so chains are evicted from the leaves in; ties go to the deeper block, then the older release.
-  A heap with lazy deletion, O(log n).
+  pool (half: at 80% an agent session's newest blocks, in probation until their first reuse, were
+  evicted before it on the agent traces); its overflow is demoted to probation's recent end. O(1).
+- ``frequency``: GreedyDual-Size-Frequency, the frequency- and size-aware choice. A block's priority
+  is ``clock + 1 + min(hits, max_hits)`` where ``hits`` counts the prefix hits it served (tokens saved
+  per block: hits per token, blocks being equal in size), and ``clock`` rises to each victim's
+  priority, so blocks that stopped being hit age out (the ``+ 1`` makes evicting a fresh block raise
+  the clock too; the cap keeps a block hit a thousand times from outliving its use by a thousand
+  generations). A block released by a sequence that found nothing of its prompt cached (a one-off,
+  such as a scan of unique documents) starts at ``clock + 0``: it goes before any block of a prompt
+  that shared a prefix. A child block is never hit more often than its parent, so chains go from the
+  leaves in; ties go to the older release. A heap with lazy deletion, O(log n).
 
 Third-party policies implement the same protocol and register in :data:`POLICIES`.
 """
@@ -49,6 +53,7 @@ class BlockUse:
 
     hits: int  # prefix hits the block served since it was stored
     depth: int  # its index in its chain (0: the first block of a prompt)
+    cold: bool = False  # the sequence that released it found nothing of its prompt cached (a one-off?)
 
 
 class EvictionPolicy(Protocol):
@@ -110,7 +115,7 @@ class SLRUPolicy:
 
     name = "slru"
 
-    def __init__(self, num_blocks: int, protected_share: float = 0.8) -> None:
+    def __init__(self, num_blocks: int, protected_share: float = 0.5) -> None:
         if not 0.0 < protected_share <= 1.0:
             raise ValueError(f"protected_share must be in (0, 1], got {protected_share}")
         self.protected_share = protected_share
@@ -150,12 +155,15 @@ class SLRUPolicy:
 
 
 class FrequencyPolicy:
-    """Lowest ``clock + hits`` first; the clock rises to each victim's priority (aging)."""
+    """Lowest ``clock + 1 + min(hits, max_hits)`` first (``clock + 0`` for a cold block); the clock
+    rises to each victim's priority."""
 
     name = "frequency"
 
-    def __init__(self, num_blocks: int = 0) -> None:
-        self._heap: list[tuple[int, int, int, int]] = []  # (priority, -depth, insertion, block_id)
+    def __init__(self, num_blocks: int = 0, *, max_hits: int = 4, cold_first: bool = True) -> None:
+        self.max_hits = max_hits
+        self.cold_first = cold_first
+        self._heap: list[tuple[int, int, int]] = []  # (priority, insertion, block_id)
         self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
         self._insertions = itertools.count()
         self._clock = 0
@@ -163,7 +171,8 @@ class FrequencyPolicy:
     def insert(self, block_id: int, use: BlockUse) -> None:
         insertion = next(self._insertions)
         self._live[block_id] = insertion
-        heapq.heappush(self._heap, (self._clock + use.hits, -use.depth, insertion, block_id))
+        start = 0 if self.cold_first and use.cold else 1
+        heapq.heappush(self._heap, (self._clock + start + min(use.hits, self.max_hits), insertion, block_id))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._compact()
 
@@ -172,7 +181,7 @@ class FrequencyPolicy:
 
     def pop_victim(self) -> int:
         while self._heap:
-            priority, _, insertion, block_id = heapq.heappop(self._heap)
+            priority, insertion, block_id = heapq.heappop(self._heap)
             if self._live.get(block_id) == insertion:
                 del self._live[block_id]
                 self._clock = max(self._clock, priority)
@@ -180,10 +189,10 @@ class FrequencyPolicy:
         raise LookupError("no evictable block")
 
     def order(self) -> tuple[int, ...]:
-        return tuple(entry[3] for entry in sorted(self._heap) if self._live.get(entry[3]) == entry[2])
+        return tuple(entry[2] for entry in sorted(self._heap) if self._live.get(entry[2]) == entry[1])
 
     def _compact(self) -> None:
-        self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
+        self._heap = [entry for entry in self._heap if self._live.get(entry[2]) == entry[1]]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:

@@ -108,6 +108,9 @@ VARIANTS: dict[str, NamedPolicy] = {
     "gdsf": NamedPolicy("gdsf", lambda n: GreedyDualPolicy(n, name="gdsf", initial=1)),
     "gdsf4": NamedPolicy("gdsf4", lambda n: GreedyDualPolicy(n, name="gdsf4", initial=1, max_hits=4)),
     "gdsf2d": NamedPolicy("gdsf2d", lambda n: GreedyDualPolicy(n, name="gdsf2d", initial=1, max_hits=2, deep_first=True)),
+    "gdsf3d": NamedPolicy("gdsf3d", lambda n: GreedyDualPolicy(n, name="gdsf3d", initial=1, max_hits=3, deep_first=True)),
+    "gdsf4d": NamedPolicy("gdsf4d", lambda n: GreedyDualPolicy(n, name="gdsf4d", initial=1, max_hits=4, deep_first=True)),
+    "gdsf1d": NamedPolicy("gdsf1d", lambda n: GreedyDualPolicy(n, name="gdsf1d", initial=1, max_hits=1, deep_first=True)),
     "slru50": NamedPolicy("slru50", lambda n: SLRUPolicy(n, protected_share=0.5)),
     "slru_evictable": NamedPolicy("slru_evictable", lambda n: EvictableShareSLRUPolicy(n)),
 }
