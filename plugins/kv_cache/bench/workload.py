@@ -28,14 +28,19 @@ first capacity), ``-o capacities=512k,1M`` (every row) or ``-o mooncake_capaciti
 k = 1024 tokens), ``-o rows=mooncake,agent``, ``-o prefill_tokens_per_s=64000``,
 ``-o decode_s_per_token=0.005``, ``-o scan_every_s=60``, ``-o scan_prompts=32``,
 ``-o scan_tokens=8192``, ``-o variants=gdsf4,slru50`` (policy variants of :mod:`.variants`, replayed
-beside the columns and printed after the goals).
+beside the columns and printed after the goals); ``-o live=1`` adds the advisor's live goal (agent
+sessions through the real server on the default model, lru and the default policy, each hit rate
+predicted from the server's own request log: :mod:`.live`, about 4 minutes a policy here);
+``-o tier=1`` measures the second tier on the real engine (:mod:`.tier`: int8 and host).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
@@ -68,7 +73,9 @@ SCAN_ID_BASE = 1 << 62  # far above the traces' ids
 NON_LRU_GAIN = 1.10  # the agent and mix goal: best non-LRU saved / LRU saved
 MOONCAKE_FLOOR = 0.99  # the mooncake goal: frequency saved / LRU saved
 OPTIONS = ("requests", "capacities", "rows", "prefill_tokens_per_s", "decode_s_per_token", "scan_every_s",
-           "scan_prompts", "scan_tokens", "variants", *(f"{row}_capacities" for row in ROWS))
+           "scan_prompts", "scan_tokens", "variants", "live", "tier", *(f"{row}_capacities" for row in ROWS))
+LIVE_POLICIES = ("lru", DEFAULT_POLICY)
+ADVISOR_POINTS = 2.0  # the live goal: |predicted - live| hit rate, in points
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,8 @@ class KVWorkload(Workload):
         self._variants: tuple[str, ...] = ()
         self._results: dict[tuple[str, str, int], ReplayResult] = {}
         self._config: dict[str, Any] = {}
+        self._live = self._tier = False
+        self._data_dir = Path(".")
 
     def columns(self, stacks: list[ResolvedStack]) -> list[str]:
         return list(COLUMNS)
@@ -133,6 +142,8 @@ class KVWorkload(Workload):
         )
         scan = ScanSettings(_float(extra, "scan_every_s", 60.0), _int(extra, "scan_prompts", 32) or 0,
                             _int(extra, "scan_tokens", 8192) or 1)
+        self._live, self._tier = bool(_int(extra, "live", 0)), bool(_int(extra, "tier", 0))
+        self._data_dir = options.data_dir
         traces = await asyncio.to_thread(_load_rows, options, rows, limit, scan)
         for row, requests in traces.items():
             capacities = _capacities(extra, row, options.quick)
@@ -164,15 +175,59 @@ class KVWorkload(Workload):
                 for capacity in spec.capacities:
                     await asyncio.to_thread(self._run, variant, row, capacity)
         goals = self._goals()
+        if self._live:
+            goals += await asyncio.to_thread(self._live_goals)
+        if self._tier:
+            self._config["tier"] = await asyncio.to_thread(self._tier_figures)
         self._config["goals"] = goals
         self._config["variants"] = self._variant_figures()
         for goal in goals:
             print(f"{'PASS' if goal['passed'] else 'FAIL'}  {goal['text']}")
         for line in self._variant_lines():
             print(line)
+        for kind, figures in self._config.get("tier", {}).items():
+            print(f"tier {kind}: TTFT cold {figures['ttft_cold_s']:.3f} s, loaded back {figures['ttft_loaded_s']:.3f} s"
+                  f" ({figures['ttft_ratio']:.1f}x); save {figures['save_us_per_block']:.0f} us, load"
+                  f" {figures['load_us_per_block']:.0f} us per block; {figures['blocks_per_primary_block']:.2f} blocks"
+                  f" per primary block's bytes; greedy tokens equal {figures['token_agreement']:.3f}, whole outputs"
+                  f" {figures['identical_outputs']:.3f}")
 
     def config(self) -> dict[str, Any]:
         return self._config
+
+    def _live_goals(self) -> list[dict[str, Any]]:
+        """Agent sessions through the real server per policy, predicted from its own request log."""
+        import tempfile
+        from pathlib import Path
+
+        from loopstack.plugins.kv_cache.bench.live import compare_live
+
+        goals = []
+        with tempfile.TemporaryDirectory(prefix="loopstack-kv-live-") as workdir:
+            for policy in LIVE_POLICIES:
+                result = compare_live(policy, data_dir=self._data_dir, workdir=Path(workdir), progress=_progress)
+                self._config.setdefault("live", {})[policy] = {
+                    "requests": result.num_requests, "prompt_tokens": result.num_prompt_tokens,
+                    "live_hit_rate": round(result.live_hit_rate, 4), "predicted_hit_rate": round(result.predicted_hit_rate, 4)}
+                goals.append(_goal("live", 0, result.error_points, result.error_points <= ADVISOR_POINTS,
+                                   f"live {policy}: advisor predicts {result.predicted_hit_rate:.4f} from the server's"
+                                   f" log, the server measured {result.live_hit_rate:.4f} ({result.error_points:.2f}"
+                                   f" points; goal <= {ADVISOR_POINTS:.0f})"))
+        return goals
+
+    def _tier_figures(self) -> dict[str, dict[str, float]]:
+        """The second tier on the real engine: int8 (the CPU tier) and host (exact)."""
+        from loopstack.engine import EngineOptions
+        from loopstack.engine.factory import build_engine
+        from loopstack.plugins.kv_cache.bench.tier import measure_tier
+
+        figures = {}
+        for kind in ("int8", "host"):
+            measured = measure_tier(lambda kv, n: build_engine(options=EngineOptions(num_kv_blocks=n, kv_cache=kv)),
+                                    kind, data_dir=self._data_dir, num_prompts=8, progress=_progress)
+            figures[kind] = {**{k: v for k, v in vars(measured).items() if isinstance(v, (int, float))},
+                             "ttft_ratio": measured.ttft_ratio, "blocks_per_primary_block": measured.blocks_per_primary_block}
+        return figures
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -232,6 +287,10 @@ class KVWorkload(Workload):
             text = "  ".join(f"{tag} {cell['hit_rate']:.4f} ({cell['saved_over_lru']:.3f}x lru)" for tag, cell in cells.items())
             lines.append(f"variant {variant}: {text}")
         return lines
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
 
 
 def _goal(row: str, capacity: int, measured: float, passed: bool, text: str) -> dict[str, Any]:
