@@ -163,7 +163,7 @@ class FrequencyPolicy:
     def __init__(self, num_blocks: int = 0, *, max_hits: int = 4, cold_first: bool = True) -> None:
         self.max_hits = max_hits
         self.cold_first = cold_first
-        self._heap: list[tuple[int, int, int]] = []  # (priority, insertion, block_id)
+        self._heap: list[tuple[int, int, int, int]] = []  # (priority, tie, insertion, block_id)
         self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
         self._insertions = itertools.count()
         self._clock = 0
@@ -171,8 +171,7 @@ class FrequencyPolicy:
     def insert(self, block_id: int, use: BlockUse) -> None:
         insertion = next(self._insertions)
         self._live[block_id] = insertion
-        start = 0 if self.cold_first and use.cold else 1
-        heapq.heappush(self._heap, (self._clock + start + min(use.hits, self.max_hits), insertion, block_id))
+        heapq.heappush(self._heap, (self._priority(use), self._tie(use), insertion, block_id))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._compact()
 
@@ -181,7 +180,7 @@ class FrequencyPolicy:
 
     def pop_victim(self) -> int:
         while self._heap:
-            priority, insertion, block_id = heapq.heappop(self._heap)
+            priority, _, insertion, block_id = heapq.heappop(self._heap)
             if self._live.get(block_id) == insertion:
                 del self._live[block_id]
                 self._clock = max(self._clock, priority)
@@ -189,10 +188,18 @@ class FrequencyPolicy:
         raise LookupError("no evictable block")
 
     def order(self) -> tuple[int, ...]:
-        return tuple(entry[2] for entry in sorted(self._heap) if self._live.get(entry[2]) == entry[1])
+        return tuple(entry[3] for entry in sorted(self._heap) if self._live.get(entry[3]) == entry[2])
+
+    def _priority(self, use: BlockUse) -> int:
+        start = 0 if self.cold_first and use.cold else 1
+        return self._clock + start + min(use.hits, self.max_hits)
+
+    def _tie(self, use: BlockUse) -> int:
+        """Among equal priorities, lower goes first (here: none, so the older release goes)."""
+        return 0
 
     def _compact(self) -> None:
-        self._heap = [entry for entry in self._heap if self._live.get(entry[2]) == entry[1]]
+        self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
         heapq.heapify(self._heap)
 
     def __len__(self) -> int:

@@ -37,7 +37,7 @@ def catalog_with_example(installed, monkeypatch) -> PluginCatalog:
 def test_discovered_through_its_entry_point(catalog_with_example):
     spec = catalog_with_example.get("hello")
     assert spec.source == "loopstack-hello" and spec.module == "loopstack_hello"
-    assert len(catalog_with_example) == 9
+    assert len(catalog_with_example) == 10
 
 
 def test_cli_lists_it_once_installed(installed):

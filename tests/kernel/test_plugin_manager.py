@@ -9,11 +9,11 @@ from loopstack.catalog import plugin_class_of
 
 BUILTINS = {
     "tool_search", "code_mode", "prefix_pinning", "ws_deltas",
-    "parallel_safety", "cache_routing", "spec_decode", "disaggregation",
+    "parallel_safety", "cache_routing", "spec_decode", "disaggregation", "kv_cache",
 }
 
 
-def test_the_eight_builtins_are_registered_from_loopstack():
+def test_the_nine_builtins_are_registered_from_loopstack():
     catalog = PluginCatalog.discover(use_entry_points=False, env={})
     assert set(catalog.names()) == BUILTINS
     assert {spec.source for spec in catalog} == {"loopstack"}
@@ -30,7 +30,7 @@ def test_disable_env_blocks_plugins_by_name():
     catalog = PluginCatalog.discover(use_entry_points=False, env={"LOOPSTACK_DISABLE_PLUGINS": "spec_decode, code_mode"})
     assert "spec_decode" not in catalog and "code_mode" not in catalog
     assert catalog.blocked == {"spec_decode", "code_mode"}
-    assert len(catalog) == 6
+    assert len(catalog) == 7
 
 
 def _module_with(*classes):

@@ -19,61 +19,31 @@ so the bench can show which change wins on which workload before the engine adop
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loopstack.engine.eviction import POLICIES, BlockUse, EvictionPolicy, SLRUPolicy
+from loopstack.engine.eviction import POLICIES, BlockUse, EvictionPolicy, FrequencyPolicy, SLRUPolicy
 
 __all__ = ["VARIANTS", "EvictableShareSLRUPolicy", "GreedyDualPolicy", "NamedPolicy", "policy_spec"]
 
 
-class GreedyDualPolicy:
-    """Lowest ``clock + initial + min(hits, max_hits)`` first, ties to the least recently released."""
+class GreedyDualPolicy(FrequencyPolicy):
+    """Lowest ``clock + initial + min(hits, max_hits)`` first, ties to the least recently released
+    (``deep_first``: to the deeper block); the engine's ``frequency`` heap with another priority."""
 
     def __init__(
         self, num_blocks: int = 0, *, name: str = "gd", initial: int = 0, max_hits: int | None = None, deep_first: bool = False
     ) -> None:
+        super().__init__(num_blocks, max_hits=max_hits if max_hits is not None else 1 << 62, cold_first=False)
         self.name = name
         self.initial = initial
-        self.max_hits = max_hits
-        self.deep_first = deep_first  # ties: the deeper block first (the engine's frequency), else the older
-        self._heap: list[tuple[int, int, int, int]] = []  # (priority, tie, insertion, block_id)
-        self._live: dict[int, int] = {}  # block id -> its live entry's insertion number
-        self._insertions = itertools.count()
-        self._clock = 0
+        self.deep_first = deep_first
 
-    def insert(self, block_id: int, use: BlockUse) -> None:
-        insertion = next(self._insertions)
-        self._live[block_id] = insertion
-        hits = use.hits if self.max_hits is None else min(use.hits, self.max_hits)
-        tie = -use.depth if self.deep_first else 0
-        heapq.heappush(self._heap, (self._clock + self.initial + hits, tie, insertion, block_id))
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
-            heapq.heapify(self._heap)
+    def _priority(self, use: BlockUse) -> int:
+        return self._clock + self.initial + min(use.hits, self.max_hits)
 
-    def remove(self, block_id: int) -> None:
-        del self._live[block_id]
-
-    def pop_victim(self) -> int:
-        while self._heap:
-            priority, _, insertion, block_id = heapq.heappop(self._heap)
-            if self._live.get(block_id) == insertion:
-                del self._live[block_id]
-                self._clock = max(self._clock, priority)
-                return block_id
-        raise LookupError("no evictable block")
-
-    def order(self) -> tuple[int, ...]:
-        return tuple(entry[3] for entry in sorted(self._heap) if self._live.get(entry[3]) == entry[2])
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, block_id: object) -> bool:
-        return block_id in self._live
+    def _tie(self, use: BlockUse) -> int:
+        return -use.depth if self.deep_first else 0
 
 
 @dataclass(frozen=True)

@@ -87,3 +87,20 @@ def test_policy_pins_retention_fields_reload_and_request_log(tmp_path, write_sta
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(rows) >= 10 and all(row["block_size"] == 16 for row in rows)
     assert rows[0]["pin_tokens"] > 0 and rows[0]["pin_ttl_s"] == 600.0
+
+
+def test_loopstack_kv_retention_maps_the_request_fields_and_the_static_prefix() -> None:
+    from loopstack.engine.cache_options import Retention, RetentionRequest
+    from loopstack.plugins.kv_cache.config import KVCacheConfig
+    from loopstack.plugins.kv_cache.plugin import KVCache
+
+    def ask(retention=None, ttl=None, static=0, key="s1"):
+        return RetentionRequest(100, key, retention, ttl, lambda: static)
+
+    plugin = KVCache(KVCacheConfig(pin_ttl_s=60.0, extended_retention_s=3600.0))
+    assert plugin.loopstack_kv_retention(ask(ttl=1800.0), None) == Retention(1800.0, None, "s1")
+    assert plugin.loopstack_kv_retention(ask("24h"), None) == Retention(3600.0, None, "s1")
+    assert plugin.loopstack_kv_retention(ask("in_memory", static=48), None) == Retention(60.0, 48)
+    assert plugin.loopstack_kv_retention(ask(static=0), None) is None
+    quiet = KVCache(KVCacheConfig(pin_static_prefix=False))
+    assert quiet.loopstack_kv_retention(ask(static=48), None) is None
