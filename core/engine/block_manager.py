@@ -640,7 +640,7 @@ class BlockManager:
 
     @staticmethod
     def _use(block: _Block, *, cold: bool = False) -> BlockUse:
-        return BlockUse(hits=block.hits, depth=block.depth, cold=cold)
+        return BlockUse(hits=block.hits, depth=block.depth, cold=cold, block_hash=block.block_hash)
 
     def _unregister(self, block: _Block) -> bytes:
         block_hash = block.block_hash

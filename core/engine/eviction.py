@@ -54,6 +54,7 @@ class BlockUse:
     hits: int  # prefix hits the block served since it was stored
     depth: int  # its index in its chain (0: the first block of a prompt)
     cold: bool = False  # the sequence that released it found nothing of its prompt cached (a one-off?)
+    block_hash: bytes | None = None  # its content's chained hash (what an oracle or a ghost list keys on)
 
 
 class EvictionPolicy(Protocol):

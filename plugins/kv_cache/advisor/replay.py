@@ -39,7 +39,7 @@ from loopstack.plugins.cache_routing.bench.replay import ServiceModel
 from loopstack.plugins.kv_cache.advisor.traces import AdvisorRequest
 from loopstack.plugins.kv_cache.advisor.units import UnitPlan, plan_units
 
-__all__ = ["DEFAULT_SERVICE", "ReplayConfig", "ReplayResult", "ServiceModel", "replay"]
+__all__ = ["DEFAULT_SERVICE", "ReplayConfig", "ReplayResult", "ServiceModel", "replay", "unit_hash"]
 
 PolicySpec = str | Callable[[int], EvictionPolicy]  # a name, or a factory given the pool's size
 # one engine serving a whole trace: 64k prefill tokens/s keeps up with the Mooncake and agent traces
@@ -125,8 +125,9 @@ class _NullTier:
         pass
 
 
-def _unit_hash(parent: bytes | None, tokens: Sequence[int], salt: bytes) -> bytes:
-    # a hash names a candidate only: the manager compares tokens, parent and salt before a hit
+def unit_hash(parent: bytes | None, tokens: Sequence[int], salt: bytes) -> bytes:
+    """The replay's block hash: cheap (a hash names a candidate only; the manager compares tokens,
+    parent and salt before a hit)."""
     return hash((parent, tuple(tokens), salt)).to_bytes(8, "big", signed=True)
 
 
@@ -166,7 +167,7 @@ class _Replay:
         self.now = 0.0
         policy = config.policy if isinstance(config.policy, str) else config.policy(config.num_blocks)
         self.manager = BlockManager(
-            config.num_blocks, 1, hash_fn=_unit_hash, policy=policy,
+            config.num_blocks, 1, hash_fn=unit_hash, policy=policy,
             max_pinned_blocks=None if config.max_pinned_tokens is None else config.max_pinned_tokens // self.size,
             tier=_NullTier(config.tier_slots) if config.tier_slots > 0 else None, clock=lambda: self.now,
         )

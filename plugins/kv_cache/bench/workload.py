@@ -60,7 +60,7 @@ from loopstack.plugins.kv_cache.bench.variants import VARIANTS, policy_spec
 from loopstack.plugins.kv_cache.config import KVCacheConfig
 from loopstack.stack.schema import ResolvedStack
 
-__all__ = ["COLUMNS", "KVWorkload", "with_scans"]
+__all__ = ["CAPACITIES", "COLUMNS", "KVWorkload", "ScanSettings", "load_rows", "with_scans"]
 
 # lru first, the plugin's default last: the ratio column reads default / LRU
 DEFAULT_POLICY: str = KVCacheConfig.model_fields["policy"].default
@@ -144,7 +144,7 @@ class KVWorkload(Workload):
                             _int(extra, "scan_tokens", 8192) or 1)
         self._live, self._tier = bool(_int(extra, "live", 0)), bool(_int(extra, "tier", 0))
         self._data_dir = options.data_dir
-        traces = await asyncio.to_thread(_load_rows, options, rows, limit, scan)
+        traces = await asyncio.to_thread(load_rows, options, rows, limit, scan)
         for row, requests in traces.items():
             capacities = _capacities(extra, row, options.quick)
             self._rows[row] = _Row(requests, plan_units(requests, MOONCAKE_BLOCK_TOKENS), capacities)
@@ -297,7 +297,7 @@ def _goal(row: str, capacity: int, measured: float, passed: bool, text: str) -> 
     return {"row": row, "capacity_tokens": capacity, "measured": round(measured, 4), "passed": passed, "text": text}
 
 
-def _load_rows(options: BenchOptions, rows: tuple[str, ...], limit: int | None, scan: ScanSettings) -> dict[str, list[AdvisorRequest]]:
+def load_rows(options: BenchOptions, rows: tuple[str, ...], limit: int | None, scan: ScanSettings) -> dict[str, list[AdvisorRequest]]:
     loaded: dict[str, list[AdvisorRequest]] = {}
     try:
         if "mooncake" in rows:
