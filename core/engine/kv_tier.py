@@ -21,17 +21,23 @@ import torch
 __all__ = ["HostTier", "Int8Tier", "make_tier"]
 
 
+def _slot_shape(kv_cache: torch.Tensor, num_slots: int) -> tuple[int, ...]:
+    """``[num_slots, layers, 2, block_size, kv_heads, head_dim]``: one block of ``kv_cache`` per slot."""
+    if num_slots < 1:
+        raise ValueError(f"a tier needs at least one slot, got {num_slots}")
+    layers, kv, _, block_size, heads, head_dim = kv_cache.shape
+    return (num_slots, layers, kv, block_size, heads, head_dim)
+
+
 class Int8Tier:
     medium = "CPU_INT8"
 
     def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a tier needs at least one slot, got {num_slots}")
+        shape = _slot_shape(kv_cache, num_slots)
         self.kv_cache = kv_cache
         self.num_slots = num_slots
-        layers, kv, _, block_size, heads, head_dim = kv_cache.shape
-        self.values = torch.zeros((num_slots, layers, kv, block_size, heads, head_dim), dtype=torch.int8)
-        self.scales = torch.zeros((num_slots, layers, kv, block_size, heads, 1), dtype=torch.float16)
+        self.values = torch.zeros(shape, dtype=torch.int8)
+        self.scales = torch.zeros((*shape[:-1], 1), dtype=torch.float16)
 
     @torch.inference_mode()
     def save(self, block_id: int, slot: int) -> None:
@@ -57,14 +63,11 @@ class HostTier:
     medium = "CPU"
 
     def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a tier needs at least one slot, got {num_slots}")
+        shape = _slot_shape(kv_cache, num_slots)
         self.kv_cache = kv_cache
         self.num_slots = num_slots
-        layers, kv, _, block_size, heads, head_dim = kv_cache.shape
         cuda = kv_cache.device.type == "cuda"
-        self.values = torch.zeros((num_slots, layers, kv, block_size, heads, head_dim), dtype=kv_cache.dtype,
-                                  pin_memory=cuda)
+        self.values = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=cuda)
         self._stream = torch.cuda.Stream(kv_cache.device) if cuda else None
 
     @torch.inference_mode()
