@@ -38,9 +38,14 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Optional: the llama.cpp column of `loopstack bench --workload engine` (builds ~5-10 min).
-# GGML_NATIVE=OFF: a native build's AMX path dies with "Illegal instruction" on some VMs.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+# GGML_NATIVE=OFF: a native build's AMX path dies with "Illegal instruction" on some VMs. Instead each
+# x86 extension is switched on only where this machine's /proc/cpuinfo lists it: a fixed AVX-512 set
+# dies with SIGILL (exit -4) on an AVX2-only CPU.
+LLAMA_ISA := avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512vbmi:AVX512_VBMI \
+	avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF $(shell for pair in $(LLAMA_ISA); do \
+	if grep -qw "$${pair%%:*}" /proc/cpuinfo 2>/dev/null; then echo "-DGGML_$${pair#*:}=ON"; \
+	else echo "-DGGML_$${pair#*:}=OFF"; fi; done)
 bench-deps: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --no-cache-dir 'llama-cpp-python[server]>=0.3'
 
