@@ -1,5 +1,10 @@
 """Speculative decoding on the real default model, built as ``loopstack serve`` builds it (int4,
-the native decode loop on CPU): greedy output is plain greedy output token for token."""
+the native decode loop on CPU): greedy output is plain greedy output token for token.
+
+Token for token up to float rounding: verifying k+1 positions in one forward runs other kernels
+than decoding one (on an AVX2-only CPU the int4 matmul differs in its last bits between the
+shapes), so where the model's top two tokens are all but tied the two runs may take different
+branches. A divergence is accepted only at such a tie, measured on the plain run's own prefix."""
 
 from __future__ import annotations
 
@@ -38,6 +43,32 @@ def prompts(engine):
             for text in REQUESTS]
 
 
+# Two tokens this close in log-probability are a tie that rounding may break either way: on an
+# AVX2-only EPYC the same top-5 log-probabilities differ by up to 0.065 nats between the decode
+# path and a prefill of the same prefix (measured over the first three prompts), so a gap under
+# about twice that may flip between shapes. A wrong acceptance or a stale rolled-back KV entry
+# shows as a token far outside it.
+TIE_NATS = 0.15
+
+
+def assert_same_greedy(engine, prompt, expected, actual):
+    """``actual == expected``, or they part where the model's two choices are a rounding-level tie."""
+    if actual == expected:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+    assert at < min(len(expected), len(actual)), f"one output is a prefix of the other: {expected} vs {actual}"
+    engine.block_manager.reset_prefix_cache()
+    seq = engine.add_request("tie-check", prompt + expected[:at], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                                logprobs=5))
+    while not seq.is_finished:
+        engine.step()
+    top = dict(seq.top_logprobs[0] or [])
+    pair = (expected[at], actual[at])
+    assert all(token in top for token in pair), f"at token {at}: {pair} not both in the top 5 {top}"
+    gap = abs(top[pair[0]] - top[pair[1]])
+    assert gap < TIE_NATS, f"at token {at}: {pair} differ by {gap:.3f} nats, not a tie"
+
+
 def run(engine, batch, spec, tag):
     engine.block_manager.reset_prefix_cache()  # every run computes the prompts alike
     seqs = [engine.add_request(f"{tag}-{i}", ids, PARAMS, speculation=spec(i)) for i, ids in enumerate(batch)]
@@ -62,10 +93,12 @@ def test_greedy_output_is_identical_at_batch_one_and_in_mixed_batches(engine, pr
     batch = prompts(engine)
     plain = [run(engine, [ids], lambda i: None, f"plain-{n}")[0] for n, ids in enumerate(batch)]
     alone = [run(engine, [ids], lambda i: spec, f"{proposer}-{n}")[0] for n, ids in enumerate(batch)]
-    assert alone == plain
+    for ids, expected, actual in zip(batch, plain, alone):
+        assert_same_greedy(engine, ids, expected, actual)
     # three at once, every other one speculating: a batch of both kinds
     mixed = run(engine, batch[:3], lambda i: spec if i % 2 == 0 else None, f"{proposer}-mixed")
-    assert mixed == plain[:3]
+    for ids, expected, actual in zip(batch, plain, mixed):
+        assert_same_greedy(engine, ids, expected, actual)
     assert engine.speculator.statistics.num_accepted > 0
     assert engine.block_manager.statistics().num_used_blocks == 0
     draft = getattr(engine.speculator.proposers[spec.key], "block_manager", None)
