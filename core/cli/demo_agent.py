@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 NOTES_SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp_notes_server.py"
 TASKS = (
     ("What's the weather in Paris right now?", "get_weather"),
-    ("Save a note titled 'Paris' with today's Paris weather.", "add_note"),
+    ("Save a note titled 'Paris' whose body is 'sunny, 18 C'.", "add_note"),
 )
 
 
