@@ -207,6 +207,9 @@ def _tool_call(where: str, item: Mapping[str, Any], strict: bool) -> dict[str, A
             raise ConversationError(f"{where}: function call 'arguments' must be a JSON string")
     elif not isinstance(arguments, str):
         arguments = json.dumps(arguments or {}, ensure_ascii=False)
+    namespace = item.get("namespace")
+    if isinstance(namespace, str) and namespace:  # a namespace tool's function: as the model wrote it
+        name = f"{namespace}.{name}"
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

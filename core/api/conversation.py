@@ -15,6 +15,7 @@ Two steps, both deterministic and append-only (prefix caching depends on it):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections import Counter
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConversationError",
+    "HOSTED_TOOL_TYPES",
     "FunctionTool",
     "InvalidToolError",
     "chat_messages",
@@ -40,7 +42,9 @@ __all__ = [
     "items_to_messages",
     "loaded_tools",
     "normalize_tools",
+    "qualified_name",
     "render_prompt",
+    "split_hosted_tools",
     "template_supports_tools",
 ]
 
@@ -61,12 +65,24 @@ class InvalidToolError(ValueError):
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """One function tool, whatever API shape it came in."""
+    """One function tool, whatever API shape it came in.
+
+    ``name`` is what the model sees and writes: a function inside a ``namespace`` tool is
+    ``namespace.function`` (the dot cannot occur in an API function name, so it never collides
+    with a plain one); ``namespace`` and :attr:`api_name` are how the API names it in a
+    ``function_call`` item."""
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    namespace: str | None = None
+    defer_loading: bool = False
+
+    @property
+    def api_name(self) -> str:
+        """The function's own name: ``name`` without its namespace."""
+        return self.name[len(self.namespace) + 1:] if self.namespace else self.name
 
     def to_chat_dict(self) -> dict[str, Any]:
         """The chat-completions shape chat templates expect: ``{"type": "function", "function": {...}}``."""
@@ -78,37 +94,98 @@ class FunctionTool:
         return {"type": "function", "function": function}
 
 
+# Responses API tools the server would have to run itself: ``omit`` (the default) leaves them out
+# of the prompt with a warning, ``reject`` answers 400 naming the tool (ApiConfig.hosted_tools).
+HOSTED_TOOL_TYPES = (
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "computer_use_preview", "computer", "image_generation", "mcp", "local_shell", "shell",
+    "apply_patch",
+)
+TOOL_TYPES = ("function", "namespace")
+
+
+def qualified_name(namespace: str | None, name: str) -> str:
+    """The name the model writes for function ``name`` of ``namespace`` (see :class:`FunctionTool`)."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def split_hosted_tools(tools: Sequence[Any] | None) -> tuple[list[Any], list[str]]:
+    """``tools`` without the hosted ones, and the hosted ones' types (in order, for the message)."""
+    kept, hosted = [], []
+    for tool in tools or ():
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind in HOSTED_TOOL_TYPES:
+            hosted.append(str(kind))
+        else:
+            kept.append(tool)
+    return kept, hosted
+
+
 def normalize_tools(tools: Sequence[Mapping[str, Any] | FunctionTool] | None) -> list[FunctionTool]:
-    """Normalize Responses (flat) and chat-completions (nested ``function``) tool definitions.
+    """Normalize Responses (flat), chat-completions (nested ``function``) and ``namespace`` tool
+    definitions: a namespace's functions come out one by one, named ``namespace.function``.
 
     Raises:
-        InvalidToolError: a tool is not ``type: function``, lacks a name, or repeats a name.
+        InvalidToolError: a tool is not a function or a namespace of functions (a hosted tool
+            here is an error too: :func:`split_hosted_tools` takes those out first), lacks a
+            name, or repeats a name.
     """
     result: list[FunctionTool] = []
     for index, tool in enumerate(tools or ()):
         if isinstance(tool, FunctionTool):
             result.append(tool)
             continue
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, Mapping) else type(tool).__name__
-            raise InvalidToolError(f"tools[{index}]: type {kind!r} is not supported; allowed: 'function'")
-        spec = tool["function"] if isinstance(tool.get("function"), Mapping) else tool
-        name, parameters = spec.get("name"), spec.get("parameters")
-        if not isinstance(name, str) or not name:
-            raise InvalidToolError(f"tools[{index}]: a function tool needs a non-empty string 'name'")
-        if parameters is not None and not isinstance(parameters, Mapping):
-            raise InvalidToolError(f"tools[{index}] ({name}): 'parameters' must be a JSON Schema object")
-        strict = spec.get("strict")
-        result.append(FunctionTool(
-            name=name,
-            description=spec.get("description"),
-            parameters=None if parameters is None else dict(parameters),
-            strict=strict if isinstance(strict, bool) else None,
-        ))
+        kind = tool.get("type") if isinstance(tool, Mapping) else type(tool).__name__
+        if kind == "namespace":
+            result.extend(_namespace_tools(f"tools[{index}]", tool))
+        elif kind == "function":
+            result.append(_function_tool(f"tools[{index}]", tool, None))
+        else:
+            hosted = " (a hosted tool: the server's api.hosted_tools setting omits or rejects these)" \
+                if kind in HOSTED_TOOL_TYPES else ""
+            raise InvalidToolError(f"tools[{index}]: type {kind!r} is not supported; allowed: "
+                                   f"{', '.join(map(repr, TOOL_TYPES))}{hosted}")
     duplicates = sorted(name for name, count in Counter(t.name for t in result).items() if count > 1)
     if duplicates:
         raise InvalidToolError(f"tools: duplicate function names {duplicates}")
     return result
+
+
+def _namespace_tools(where: str, tool: Mapping[str, Any]) -> list[FunctionTool]:
+    namespace, members = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str) or not namespace or "." in namespace:
+        raise InvalidToolError(f"{where}: a namespace tool needs a non-empty string 'name' without '.'")
+    if not isinstance(members, Sequence) or isinstance(members, str):
+        raise InvalidToolError(f"{where} ({namespace}): a namespace tool needs a 'tools' list")
+    result = []
+    for position, member in enumerate(members):
+        inner = f"{where}.tools[{position}]"
+        kind = member.get("type") if isinstance(member, Mapping) else type(member).__name__
+        if kind != "function":
+            raise InvalidToolError(f"{inner}: type {kind!r} is not supported in a namespace; allowed: 'function'")
+        function = _function_tool(inner, member, namespace)
+        if tool.get("defer_loading") is True:
+            function = dataclasses.replace(function, defer_loading=True)
+        result.append(function)
+    return result
+
+
+def _function_tool(where: str, tool: Mapping[str, Any], namespace: str | None) -> FunctionTool:
+    spec = tool["function"] if isinstance(tool.get("function"), Mapping) else tool
+    name, parameters = spec.get("name"), spec.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise InvalidToolError(f"{where}: a function tool needs a non-empty string 'name'")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise InvalidToolError(f"{where} ({name}): 'parameters' must be a JSON Schema object")
+    strict = spec.get("strict")
+    return FunctionTool(
+        name=qualified_name(namespace, name),
+        description=spec.get("description"),
+        parameters=None if parameters is None else dict(parameters),
+        strict=strict if isinstance(strict, bool) else None,
+        namespace=namespace,
+        defer_loading=spec.get("defer_loading") is True,
+    )
 
 
 # -- items -> messages -------------------------------------------------------------------

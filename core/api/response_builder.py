@@ -19,6 +19,7 @@ and its arguments stream as the model writes them (:meth:`function_call_argument
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from loopstack.api.ids import new_id
@@ -27,8 +28,11 @@ from loopstack.api.ids import new_id
 class ResponseBuilder:
     """Accumulates one response; every method returns the events to send, in order."""
 
-    def __init__(self, response_id: str, request_echo: dict[str, Any]) -> None:
+    def __init__(self, response_id: str, request_echo: dict[str, Any],
+                 namespaced: Mapping[str, tuple[str, str]] | None = None) -> None:
+        """``namespaced``: the model's name of each namespace tool's function -> (namespace, name)."""
         self.response_id = response_id
+        self.namespaced = dict(namespaced or {})
         self.created_at = int(time.time())
         self.echo = request_echo
         self.output: list[dict[str, Any]] = []
@@ -102,6 +106,8 @@ class ResponseBuilder:
         events = self._close_message()
         self._call = {"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"), "name": name,
                       "arguments": "", "status": "in_progress"}
+        if name in self.namespaced:  # a namespace tool's function: the API names it in two fields
+            self._call["namespace"], self._call["name"] = self.namespaced[name]
         self.output.append(self._call)
         events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
                                   item=dict(self._call)))
@@ -152,7 +158,8 @@ class ResponseBuilder:
             index = len(self.output) - 1
             events += [self._event("response.function_call_arguments.delta", item_id=item["id"],
                                    output_index=index, delta=arguments)]
-        item.update(name=name, arguments=arguments, status="completed")  # the parsed call's, as the response's
+        item.update(name=self.namespaced.get(name, (None, name))[1], arguments=arguments,
+                    status="completed")  # the parsed call's, as the response's
         events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=name, arguments=arguments))
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))

@@ -1,8 +1,10 @@
 """Request bodies of the Responses and Chat Completions APIs, validated with pydantic.
 
-Fields the OpenAI API has but this server ignores (``include``, ``user``, ``reasoning``,
-``service_tier``, ...) are accepted and ignored so that SDKs work unchanged; fields it
-uses are type-checked and a bad value is a 400 naming the field.
+Fields the OpenAI API has but this server ignores (``user``, ``service_tier``,
+``client_metadata``, ...) are accepted and ignored so that SDKs work unchanged; fields it
+uses are type-checked and a bad value is a 400 naming the field. ``reasoning`` is accepted and
+echoed (the models here do not reason: no reasoning items come back), ``include`` takes the
+API's values and honours those that apply (:data:`HONOURED_INCLUDES`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,28 @@ class PromptCacheOptions(_Body):
     model_config = ConfigDict(extra="allow")
     ttl: Literal["30m", "12h"] | None = None
     mode: Literal["implicit", "explicit"] | None = None
+    prewarm: bool | None = None
+
+
+# the API's ResponseIncludable values; none names output this server makes except the last, which
+# needs per-token logprobs the streaming path does not carry yet: all are accepted and ignored
+Includable = Literal[
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", "message.output_text.logprobs",
+]
+HONOURED_INCLUDES: frozenset[str] = frozenset()
+
+
+class ReasoningConfig(_Body):
+    """``reasoning``: accepted and echoed; a model without reasoning makes no reasoning items."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# fields of a request that a chained one does not inherit (see ResponsesRequest.non_input_fields)
+NOT_INHERITED = frozenset({"input", "stream", "previous_response_id", "store", "metadata", "generate", "client_metadata"})
 
 
 class ResponsesRequest(_Body):
@@ -49,6 +73,14 @@ class ResponsesRequest(_Body):
     prompt_cache_options: PromptCacheOptions | None = None
     text: TextConfig | None = None
     stream: bool = False
+    reasoning: ReasoningConfig | None = None
+    include: list[Includable] = Field(default_factory=list)
+    generate: bool = True  # false (WebSocket mode's prewarm): prefill the prompt into the cache, no output
+
+    @property
+    def generates(self) -> bool:
+        """Whether the response has output: not with ``generate: false`` or ``prompt_cache_options.prewarm``."""
+        return self.generate and not (self.prompt_cache_options is not None and self.prompt_cache_options.prewarm)
 
     def input_items(self) -> list[dict[str, Any]]:
         """``input`` as a list of items (a bare string is one user message)."""
@@ -57,8 +89,9 @@ class ResponsesRequest(_Body):
         return list(self.input)
 
     def non_input_fields(self) -> dict[str, Any]:
-        """Everything but the input and transport flags: what a delta request must repeat."""
-        return self.model_dump(exclude={"input", "stream", "previous_response_id", "store", "metadata"}, exclude_none=True)
+        """Everything but the input, transport flags and per-request labels: what a delta request must
+        repeat (``generate`` is per request: a prewarm's chain continues with output)."""
+        return self.model_dump(exclude=NOT_INHERITED, exclude_none=True)
 
 
 class ChatCompletionsRequest(_Body):

@@ -10,11 +10,12 @@ three in a request context, with the stack's response middlewares around ``run``
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, MutableMapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
@@ -25,6 +26,7 @@ from loopstack.api.conversation import (
     loaded_tools,
     normalize_tools,
     render_prompt,
+    split_hosted_tools,
 )
 from loopstack.api.decoding_metrics import record_decoding
 from loopstack.api.errors import APIError
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from loopstack.engine.capture import HiddenCapture
     from loopstack.engine.config import ModelConfig
     from loopstack.types import PromptIds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Prepared:
     tool_names: set[str]
     hidden_request: HiddenStateRequest | None = None  # see ResponsesService.request_hidden_state
     prompt: PromptIds | None = None
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # model's name -> (namespace, name)
 
 
 class PromptInputs:
@@ -106,10 +111,26 @@ class PromptInputs:
 
 
 class ResponsesService:
-    def __init__(self, engine: EngineClient, store: ResponseStore, *, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, store: ResponseStore, *, model_name: str,
+                 hosted_tools: Literal["omit", "reject"] = "omit") -> None:
         self.engine = engine
         self.store = store
         self.model_name = model_name
+        self.hosted_tools = hosted_tools  # ApiConfig.hosted_tools: what becomes of tools the server cannot run
+
+    def without_hosted_tools(self, request: ResponsesRequest) -> ResponsesRequest:
+        """``request`` without the hosted tools (``web_search``, ``file_search``, ...) the server cannot
+        run: left out with a warning (``omit``), or a 400 naming the first (``reject``)."""
+        kept, hosted = split_hosted_tools(request.tools)
+        if not hosted:
+            return request
+        if self.hosted_tools == "reject":
+            raise APIError(f"tools: hosted tool type {hosted[0]!r} is not available on this server (it has no "
+                           f"{hosted[0]} backend); remove it, or set api.hosted_tools = \"omit\" in the stack",
+                           param="tools", code="unsupported_tool")
+        log.warning("request leaves out hosted tools this server cannot run: %s (api.hosted_tools = omit)",
+                    ", ".join(hosted))
+        return request.model_copy(update={"tools": kept})
 
     # -- prepare: everything that can be the client's fault -----------------------------------
 
@@ -150,6 +171,7 @@ class ResponsesService:
         Raises:
             APIError: the request is the client's fault (the error names the field).
         """
+        request = self.without_hosted_tools(request)
         new_items = request.input_items()
         chained = ctx.hooks.prompt_ids(PromptInputs(self, request, principal, local), ctx) if ctx is not None else None
         # chained: the conversation is not rendered again; items keeps what loaded tools
@@ -169,11 +191,13 @@ class ResponsesService:
             self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             text_format=request.text.format if request.text else None, format_param="text.format",
-            input_param="input", max_tokens=request.max_output_tokens, temperature=request.temperature,
+            input_param="input", max_tokens=request.max_output_tokens if request.generates else 1,
+            temperature=request.temperature,
             top_p=request.top_p, seed=request.seed,
         )
         return Prepared(request, principal, response_id or new_id("resp"), new_items, prompt_ids, params,
-                        {t.name for t in callable_tools}, prompt=chained)
+                        {t.name for t in callable_tools}, prompt=chained,
+                        namespaced={t.name: (t.namespace, t.api_name) for t in callable_tools if t.namespace})
 
     # -- the hidden-state seam: a response middleware reads the prefill's hidden states -----
 
@@ -221,6 +245,7 @@ class ResponsesService:
             "text": text,
             "prompt_cache_key": request.prompt_cache_key,
             "prompt_cache_retention": request.prompt_cache_retention,
+            "reasoning": request.reasoning.model_dump(exclude_none=True) if request.reasoning else None,
         }
 
     # -- run: stream the engine, emit events, store -------------------------------------------
@@ -230,7 +255,7 @@ class ResponsesService:
         terminal event (a refused or failed generation ends in ``response.failed``). ``ctx`` goes
         to a router with the ``prompt_cache_key``, so the request's own plugins pick its replica, and
         asks them (``loopstack_proposer``) whether it decodes speculatively."""
-        builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request))
+        builder = ResponseBuilder(prepared.response_id, self.echo(prepared.request), prepared.namespaced)
         for event in builder.start():
             yield event
         parser = ToolCallStreamParser(prepared.tool_names, stream_arguments=True)
@@ -248,6 +273,8 @@ class ResponsesService:
                     last = output
                     if hidden is not None and output.hidden_state is not None and not hidden.result.done():
                         hidden.result.set_result(output.hidden_state)  # before this step's text goes out
+                    if not prepared.request.generates:
+                        continue  # a prewarm: the prefill filled the cache; its one token is not output
                     for kind, value in parser.feed(output.new_text):
                         for event in builder.apply(kind, value):
                             yield event
@@ -275,8 +302,9 @@ class ResponsesService:
             return
         if ctx is not None:
             record_decoding(ctx, last.usage.completion_tokens, last.usage.forwards, last.usage.speculation)
-        usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, last.usage.completion_tokens)
-        events, _ = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH)
+        output_tokens = last.usage.completion_tokens if prepared.request.generates else 0
+        usage = usage_of(last.usage.prompt_tokens, last.usage.cached_prompt_tokens, output_tokens)
+        events, _ = builder.finish(usage, truncated=last.finish_reason is FinishReason.LENGTH and prepared.request.generates)
         for event in events:  # stored by the pipeline, once every middleware has let it through
             yield event
 

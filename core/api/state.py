@@ -24,7 +24,8 @@ class ServerState:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.service = ResponsesService(self.engine, self.store, model_name=self.model_name)
+        self.service = ResponsesService(self.engine, self.store, model_name=self.model_name,
+                                        hosted_tools=self.live.current.stack.api.hosted_tools)
 
     def reload(self) -> ReloadResult:
         """Reload the stack file; a router in front of replicas is announced to the new stack's
@@ -36,6 +37,7 @@ class ServerState:
             self.engine.announce(self.live.current.hooks)
         if result.ok:
             self.apply_kv_cache()
+            self.service.hosted_tools = self.live.current.stack.api.hosted_tools
         return result
 
     def apply_kv_cache(self) -> None:

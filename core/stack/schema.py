@@ -85,6 +85,9 @@ class ApiConfig(_Table):
     response_ttl_s: float = Field(30 * 24 * 3600.0, gt=0, description="stored responses older than this expire")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     arm_override_header: str = Field("x-loopstack-arms", description="request header that overrides A/B arms")
+    hosted_tools: Literal["omit", "reject"] = Field(
+        "omit", description="Responses API tools the server cannot run (web_search, file_search, code_interpreter, "
+        "...): omit them from the prompt with a logged warning, or reject the request naming the tool")
 
 
 class HarnessConfig(_Table):

@@ -17,7 +17,8 @@ from typing import Any
 __all__ = ["ChainCursor", "Plan", "cursor_after", "non_input_fields", "plan_request"]
 
 # request fields that a delta does not repeat (the server's ResponsesRequest.non_input_fields)
-_NOT_INHERITED = frozenset({"input", "stream", "previous_response_id", "store", "metadata"})
+_NOT_INHERITED = frozenset({"input", "stream", "previous_response_id", "store", "metadata", "generate",
+                            "client_metadata"})
 
 
 def non_input_fields(request: Mapping[str, Any]) -> dict[str, Any]:
