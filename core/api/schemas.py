@@ -91,7 +91,7 @@ class ResponsesRequest(_Body):
     def non_input_fields(self) -> dict[str, Any]:
         """Everything but the input, transport flags and per-request labels: what a delta request must
         repeat (``generate`` is per request: a prewarm's chain continues with output)."""
-        return self.model_dump(exclude=NOT_INHERITED, exclude_none=True)
+        return self.model_dump(exclude=set(NOT_INHERITED), exclude_none=True)
 
 
 class ChatCompletionsRequest(_Body):
