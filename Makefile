@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install bench-deps vllm clean
+.PHONY: demo test lint install bench-deps vllm codex clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,15 @@ $(VLLM_VENV)/.installed:
 	touch $@
 $(VLLM_MODEL)/config.json: $(STAMP)
 	$(VENV)/bin/loopstack model export smollm2-135m-instruct $(VLLM_MODEL)
+
+# Optional: the real Codex CLI (its Linux binary ships in the npm package) for the tests that run it
+# against `loopstack serve` and `loopstack bench --workload codex`; the tests install it themselves
+# where npm works and skip with this target's name where it does not.
+CODEX_VERSION := 0.169.0
+CODEX_PREFIX := .loopstack/codex
+codex: $(CODEX_PREFIX)/node_modules/.bin/codex
+$(CODEX_PREFIX)/node_modules/.bin/codex:
+	npm install --prefix $(CODEX_PREFIX) --no-audit --no-fund @openai/codex@$(CODEX_VERSION)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
