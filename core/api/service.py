@@ -117,6 +117,7 @@ class ResponsesService:
         self.store = store
         self.model_name = model_name
         self.hosted_tools = hosted_tools  # ApiConfig.hosted_tools: what becomes of tools the server cannot run
+        self._warned: set[str] = set()  # hosted tool types omitted before: warned once, then at debug level
 
     def without_hosted_tools(self, request: ResponsesRequest) -> ResponsesRequest:
         """``request`` without the hosted tools (``web_search``, ``file_search``, ...) the server cannot
@@ -128,8 +129,10 @@ class ResponsesService:
             raise APIError(f"tools: hosted tool type {hosted[0]!r} is not available on this server (it has no "
                            f"{hosted[0]} backend); remove it, or set api.hosted_tools = \"omit\" in the stack",
                            param="tools", code="unsupported_tool")
-        log.warning("request leaves out hosted tools this server cannot run: %s (api.hosted_tools = omit)",
-                    ", ".join(hosted))
+        new = sorted(set(hosted) - self._warned)
+        self._warned.update(new)
+        log.log(logging.WARNING if new else logging.DEBUG, "leaving out hosted tools this server cannot run: %s "
+                "(api.hosted_tools = omit; warned once per tool type)", ", ".join(hosted))
         return request.model_copy(update={"tools": kept})
 
     # -- prepare: everything that can be the client's fault -----------------------------------

@@ -30,6 +30,7 @@ PLUGIN = WsDeltas
 
 @hookimpl
 def loopstack_bench_workloads() -> list[Any]:
+    from loopstack.plugins.ws_deltas.bench.codex import CodexWorkload
     from loopstack.plugins.ws_deltas.bench.workload import TransportWorkload
 
-    return [TransportWorkload()]
+    return [TransportWorkload(), CodexWorkload()]
