@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from loopstack.context import RequestContext
     from loopstack.engine.cache_options import KVCacheOptions, Retention, RetentionRequest
@@ -99,6 +99,16 @@ class HookFacade:
 
     def router_started(self, router: RouterHandle) -> None:
         self.caller("loopstack_router_started")(router=router)
+
+    def serves(self, name: str) -> bool:
+        """Whether a plugin of this stack (and of these arms) implements hook ``name``."""
+        return bool(self.caller(name).get_hookimpls())
+
+    def search_deferred_tools(self, tools: Sequence[Mapping[str, Any]], query: str, limit: int,
+                              ctx: RequestContext) -> list[str] | None:
+        names: list[str] | None = self.caller("loopstack_search_deferred_tools")(
+            tools=tools, query=query, limit=limit, ctx=ctx)
+        return names
 
     def proposer(self, ctx: RequestContext) -> SpeculationSpec | None:
         spec: SpeculationSpec | None = self.caller("loopstack_proposer")(ctx=ctx)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # kernel names only: the contracts are in loopstack.types
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from loopstack.context import RequestContext
     from loopstack.engine.cache_options import KVCacheOptions, Retention, RetentionRequest
@@ -169,6 +169,21 @@ def loopstack_prompt_ids(prompt: PromptRequest, ctx: RequestContext) -> PromptId
     stays on the prepared request (``job.prepared.prompt``) for the plugin's own response
     middleware. Stops at first non-None result; the default (no answer) renders the whole
     conversation and tokenizes it.
+    """
+
+
+@hookspec(firstresult=True)
+def loopstack_search_deferred_tools(tools: Sequence[Mapping[str, Any]], query: str, limit: int,
+                                    ctx: RequestContext) -> list[str] | None:
+    """Rank a Responses request's ``defer_loading`` tools for ``query``: the names of the best
+    ``limit`` (may be fewer, or none), or None to leave the search to another plugin.
+
+    Called by the API server when a request carries the hosted ``tool_search`` tool (executed
+    by the server) and the model called it; off the event loop. ``tools`` are flat Responses
+    function tools, a namespace's function named ``namespace.function`` with its ``namespace``
+    key set. Without any implementation the server has no search: it loads deferred tools up
+    front and treats ``tool_search`` as a hosted tool it cannot run (``api.hosted_tools``).
+    Stops at first non-None result.
     """
 
 

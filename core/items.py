@@ -46,7 +46,8 @@ TERMINAL_EVENT_TYPES = frozenset({"response.completed", "response.incomplete", "
 FINAL_EVENT_TYPES = frozenset({"response.completed", "response.incomplete"})
 """The terminal events of a response that is kept: stored, returned to the caller, chained on."""
 
-ITEM_TYPES = ("message", "function_call", "function_call_output", "tool_search_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "tool_search_call", "tool_search_output")
+SEARCH_CALL_NAME = "tool_search"  # the function a tool_search_call item stands for, as the model wrote it
 MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
@@ -177,13 +178,18 @@ def items_to_chat_messages(
             if strict:
                 _check_tool_result(where, item)
             messages.append(_tool_message(item, _output_text(where, item, strict)))
+        elif kind == "tool_search_call":  # a search the server ran (the hosted tool_search): the model's call
+            arguments = item.get("arguments")
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
+            _join_assistant_turn(messages, {"id": item.get("call_id") or item.get("id", ""), "type": "function",
+                                            "function": {"name": SEARCH_CALL_NAME, "arguments": arguments}})
         elif kind == "tool_search_output":
-            if strict and item.get("output") is None:
-                raise ConversationError(f"{where}: a tool_search_output needs 'output'")
-            text = _output_text(where, item, strict) + loaded_tools_text(where, item.get("tools") or ())
-            if strict:
-                _check_tool_result(where, item)
-            messages.append(_tool_message(item, text))
+            # the API's item has only the loaded tools; a harness's also says what it found in 'output'
+            loaded = loaded_tools_text(where, item.get("tools") or ())
+            text = loaded.lstrip("\n") if item.get("output") is None else _output_text(where, item, strict) + loaded
+            if strict and not (isinstance(item.get("call_id"), str) and item["call_id"]):
+                raise ConversationError(f"{where}: a tool_search_output needs a non-empty string 'call_id'")
+            messages.append(_tool_message(item, text or "No tools loaded."))
         else:
             raise ConversationError(f"{where}: unknown item type {kind!r}; allowed: {', '.join(ITEM_TYPES)}")
     return messages

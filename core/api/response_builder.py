@@ -165,6 +165,16 @@ class ResponseBuilder:
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
+    def server_item(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """An item the server made whole (a hosted search's call and output): added, then done."""
+        events = self._close_message()
+        self.output.append(item)
+        index = len(self.output) - 1
+        events.append(self._event("response.output_item.added", output_index=index,
+                                  item={**item, "status": "in_progress"}))
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
     def finish(self, usage: dict[str, Any], *, truncated: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         events = self._close_message()
         # a message whose text was only whitespace is dropped rather than sent empty, and so is

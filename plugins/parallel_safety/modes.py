@@ -424,7 +424,7 @@ class GuardedResponse:
         self.ctx.observe("parallel_safety_released_before_cut_tokens", self.released_tokens,
                          help="generated tokens released before a trip cut the stream")
         prepared = self.job.prepared
-        builder = ResponseBuilder(prepared.response_id, self.job.service.echo(prepared.request), prepared.namespaced)
+        builder = ResponseBuilder(prepared.response_id, self.job.service.response_echo(prepared), prepared.namespaced)
         events = builder.start() if self.last_sequence < 0 else []
         sequence = events[-1]["sequence_number"] + 1 if events else self.last_sequence + 1
         error = {

@@ -119,7 +119,7 @@ class ToolSearch(Plugin):
     """
 
     name = "tool_search"
-    layers = (Layer.HARNESS,)
+    layers = (Layer.HARNESS, Layer.API)
     Config = ToolSearchConfig
     summary = "Defer tool schemas behind a tool_search tool (BM25 + MiniLM hybrid); discovered schemas are appended."
 
@@ -208,6 +208,24 @@ class ToolSearch(Plugin):
         state.catalog = self.catalogs.get(deferred)
         tools.load(SEARCH_TOOL_NAME)
         tools.update(SEARCH_TOOL_NAME, description=state.catalog.description(deferred))
+
+    # -- the server's hosted tool_search ----------------------------------------------------
+
+    @hookimpl
+    def loopstack_search_deferred_tools(self, tools: Any, query: str, limit: int, ctx: RequestContext) -> list[str]:
+        """The API server's side: a request's ``defer_loading`` tools ranked by this plugin's index
+        (the same catalogs, retriever and learned uses as the harness's searches)."""
+        infos = [ToolInfo(name=tool["name"], description=tool.get("description") or "",
+                          parameters=dict(tool.get("parameters") or {"type": "object", "properties": {}}),
+                          namespace=tool.get("namespace") or "", defer_loading=True) for tool in tools]
+        if not infos:
+            return []
+        catalog = self.catalogs.get(infos)
+        with catalog.lock:
+            catalog.sync(infos)  # identity checks when the request's tools are the ones indexed
+            hits = catalog.search(search_text(query, self.config.max_query_chars), limit)
+        ctx.count("tool_search_server_searches_total", help="hosted tool_search calls the API server ran")
+        return [hit.key for hit in hits]
 
     # -- a head start on the query's forward ----------------------------------------------
 

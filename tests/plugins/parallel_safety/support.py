@@ -84,6 +84,9 @@ class ScriptedService:
     def echo(self, request: ResponsesRequest) -> dict[str, Any]:
         return {"model": self.model_name}
 
+    def response_echo(self, prepared: Prepared) -> dict[str, Any]:
+        return self.echo(prepared.request)
+
     def hidden_state_model(self) -> None:
         return None  # no model: fused checks run standalone
 

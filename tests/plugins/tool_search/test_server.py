@@ -60,9 +60,15 @@ def test_bad_search_outputs_name_the_item():
     with pytest.raises(ConversationError, match=r"input\[2\]\.tools\[0\]"):
         items_to_messages(None, _items({"type": "web_search"}))
     broken = _items(TOOL)
-    del broken[2]["output"]
-    with pytest.raises(ConversationError, match=r"input\[2\].*'output'"):
+    del broken[2]["call_id"]
+    with pytest.raises(ConversationError, match=r"input\[2\].*'call_id'"):
         items_to_messages(None, broken)
+
+
+def test_a_search_output_in_the_apis_shape_has_only_its_tools():
+    api_shaped = _items(TOOL)
+    del api_shaped[2]["output"]  # the server's hosted search returns no text, only the loaded tools
+    assert items_to_messages(None, api_shaped)[-1]["content"].startswith('<tools>\n{"type": "function"')
 
 
 def test_loaded_tools_lists_each_name_once():
