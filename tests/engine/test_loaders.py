@@ -328,3 +328,21 @@ def test_default_model_as_engine_runs_it_answers_paris(default_model, default_mo
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     answer = tokenizer.decode(greedy(default_model_as_engine_runs_it, tokenizer.encode(prompt), 20, config.eos_token_ids))
     assert "Paris" in answer, answer
+
+
+def test_assembled_builtin_without_its_package_names_the_pip_command(monkeypatch):
+    ghost = loaders.BuiltinModel("no_such_package_xyz", assembler="assemble", pip_args="no-such-package-xyz")
+    monkeypatch.setitem(loaders.BUILTIN_MODELS, "ghost", ghost)
+    with pytest.raises(ModelNotFoundError, match=r"`pip install no-such-package-xyz`"):
+        resolve_model_path("ghost")
+
+
+def test_assembled_builtin_resolves_to_what_its_package_returns(monkeypatch, tmp_path):
+    package = tmp_path / "fake_model_pkg_xyz"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"def assemble():\n    return {str(tmp_path / 'model.gguf')!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(loaders, "_assembled", {})
+    monkeypatch.setitem(loaders.BUILTIN_MODELS, "fake", loaders.BuiltinModel("fake_model_pkg_xyz", assembler="assemble"))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path("fake") == tmp_path / "model.gguf"

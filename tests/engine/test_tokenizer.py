@@ -124,6 +124,7 @@ def test_tokenizer_from_hf_directory_reads_template_and_eos(tmp_path, tiny_token
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<|im_end|>"
 
 
-def test_sentencepiece_gguf_tokenizer_is_rejected_clearly():
-    with pytest.raises(UnsupportedTokenizerError, match=r"'llama'.*tokenizer\.json"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+def test_unsupported_gguf_tokenizer_model_is_rejected_clearly():
+    # "llama" (SentencePiece BPE) is supported now: see test_spm_tokenizer.py
+    with pytest.raises(UnsupportedTokenizerError, match=r"'t5'.*tokenizer\.json"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})

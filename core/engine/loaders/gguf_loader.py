@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a GGUF file (dequantized to float with the ``gguf`` package)."""
+"""Load a Llama-family or Gemma 3 model from a GGUF file (dequantized to float with the ``gguf`` package)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ import gguf
 import numpy as np
 import torch
 
-from loopstack.engine.config import ModelConfig
+from loopstack.engine.config import (
+    FULL_ATTENTION,
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    SLIDING_ATTENTION,
+    ModelConfig,
+)
 from loopstack.engine.errors import UnsupportedArchitectureError
+from loopstack.engine.model.architectures import model_class
 from loopstack.engine.model.llama import CausalLM
-from loopstack.engine.text.tokenizer import Tokenizer
+from loopstack.engine.text.tokenizer import Tokenizer, gguf_eos_token_ids
 
 __all__ = [
     "GGUF_ARCHITECTURES", "GGUFTensor", "gguf_config", "load_gguf", "permute_rotary", "read_gguf",
@@ -24,7 +31,7 @@ __all__ = [
 ]
 
 # GGUF general.architecture values this loader reads; Mistral GGUFs declare "llama"
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -36,7 +43,18 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's four norms per layer
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's converter stores Gemma's norm weights as HF weight + 1 (the scale itself)
+_NORM_OFFSETS = {"gemma3": 1.0}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -145,42 +163,67 @@ def gguf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> ModelCon
     """Build a :class:`ModelConfig` from GGUF metadata.
 
     Raises:
-        UnsupportedArchitectureError: ``general.architecture`` is not llama or qwen2, or the
-            file uses RoPE scaling this loader does not read.
+        UnsupportedArchitectureError: ``general.architecture`` is not one of
+            :data:`GGUF_ARCHITECTURES`, or the file uses RoPE scaling this loader does not read.
     """
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) and "rope_freqs.weight" not in tensor_names:
-        raise UnsupportedArchitectureError(f"{arch}: GGUF rope scaling {scaling!r} is not supported")
 
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{name}", default)
 
+    scaling = key("rope.scaling.type", "none")
+    rope_scaling: dict[str, Any] | None = None
+    if scaling == "linear" and key("rope.scaling.factor") is not None:
+        rope_scaling = {"rope_type": "linear", "factor": _float32(key("rope.scaling.factor"))}
+    elif scaling not in ("none", None) and "rope_freqs.weight" not in tensor_names:
+        raise UnsupportedArchitectureError(f"{arch}: GGUF rope scaling {scaling!r} is not supported")
     hidden_size, num_heads = int(key("embedding_length")), int(key("attention.head_count"))
-    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    num_layers = int(key("block_count"))
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=str(arch),
         vocab_size=int(key("vocab_size") or len(metadata["tokenizer.ggml.tokens"])),
         hidden_size=hidden_size,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv") or num_heads),
         head_dim=int(key("attention.key_length") or key("rope.dimension_count") or hidden_size // num_heads),
-        rope_theta=_float32(key("rope.freq_base", 10000.0)),
+        rope_theta=_float32(key("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
         rms_norm_eps=_float32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias=any(name.endswith("attn_q.bias") for name in tensor_names),
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys(int(metadata[k]) for k in eos_keys if metadata.get(k) is not None)),
-        sliding_window=None,
+        eos_token_ids=gguf_eos_token_ids(metadata),
+        rope_scaling=rope_scaling,
+        **(_gemma3_fields(metadata, num_layers, hidden_size // num_heads) if arch == "gemma3" else {}),
+        qk_norm=arch in ("qwen3", "gemma3"),
     )
+
+
+def _gemma3_fields(metadata: Mapping[str, Any], num_layers: int, hidden_per_head: int) -> dict[str, Any]:
+    """Gemma 3's per-layer attention, as llama.cpp reads it: the window from the file, every
+    6th layer global, the local layers' RoPE base 10000 (``rope.freq_base_swa`` where written)."""
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, list):  # newer converters: one bool per layer, true = sliding
+        layer_types = tuple(SLIDING_ATTENTION if is_sliding else FULL_ATTENTION for is_sliding in pattern)
+    else:
+        layer_types = tuple(SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(num_layers))
+    head_dim = int(metadata.get("gemma3.attention.key_length") or hidden_per_head)
+    return {
+        "sliding_window": int(metadata["gemma3.attention.sliding_window"]),
+        "layer_types": layer_types,
+        "rope_local_theta": _float32(metadata.get("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)),
+        # GGUF does not store query_pre_attn_scalar; llama.cpp takes hidden / heads for the 62-layer
+        # 27B model (168) and head_dim for the others, as their HF configs have it
+        "query_pre_attn_scalar": float(hidden_per_head if num_layers == 62 else head_dim),
+        "hidden_act": "gelu_pytorch_tanh",
+    }
 
 
 def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[CausalLM, Tokenizer, ModelConfig]:
@@ -193,7 +236,7 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype) -> tup
     metadata, tensors = read_gguf(path)
     config = gguf_config(metadata, set(tensors))
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    model = CausalLM.empty(config, device, dtype)
+    model = model_class(config).empty(config, device, dtype)
     model.load_hf_weights(_hf_tensors(tensors, config, device, dtype))
     if "rope_freqs.weight" in tensors:  # Llama 3.1-style scaling, stored as per-frequency divisors
         factors = torch.from_numpy(tensors["rope_freqs.weight"].dequantize()).float()
@@ -209,21 +252,25 @@ def _float32(value: float) -> float:
 def _hf_tensors(
     tensors: Mapping[str, GGUFTensor], config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    layer_tensors = _GEMMA3_LAYER_TENSORS if config.architecture == "gemma3" else _LAYER_TENSORS
+    norm_offset = _NORM_OFFSETS.get(config.architecture, 0.0)
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue
-        hf_name = _GLOBAL_TENSORS.get(name) or _hf_layer_name(name)
+        hf_name = _GLOBAL_TENSORS.get(name) or _hf_layer_name(name, layer_tensors)
         value = torch.from_numpy(tensor.dequantize())
         if config.architecture == "llama" and re.search(r"\.attn_[qk]\.", name):
-            # llama.cpp permutes llama Q/K for interleaved rotary; qwen2 (NEOX rotary) is stored as is
+            # llama.cpp permutes llama Q/K for interleaved rotary; qwen2/qwen3/gemma3 (NEOX rotary) are stored as is
             num_heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             value = unpermute_rotary(value, num_heads)
+        if norm_offset and name.endswith("norm.weight"):
+            value -= norm_offset  # to the HF convention the model takes
         yield hf_name, value.to(device=device, dtype=dtype)
 
 
-def _hf_layer_name(name: str) -> str:
+def _hf_layer_name(name: str, layer_tensors: Mapping[str, str]) -> str:
     match = _LAYER_NAME.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    if match is None or match.group(2) not in layer_tensors:
         raise UnsupportedArchitectureError(f"unexpected GGUF tensor {name!r}")
     layer, kind, param = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{param}"
+    return f"model.layers.{layer}.{layer_tensors[kind]}.{param}"

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from loopstack.engine.config import ModelConfig
 from loopstack.engine.errors import ModelNotFoundError
+from loopstack.engine.model.architectures import model_class
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.text.tokenizer import Tokenizer
 
@@ -54,7 +55,7 @@ def load_hf_directory(
     ModelConfig.from_hf_config(_read_json(directory / "config.json"))  # an unsupported model fails first
     files = safetensors_files(directory)
     tokenizer, config = hf_directory_tokenizer(directory)
-    model = CausalLM.empty(config, device, dtype)
+    model = model_class(config).empty(config, device, dtype)
     model.load_hf_weights(_read_tensors(files, device, dtype))
     return model, tokenizer, config
 

@@ -8,7 +8,8 @@ path's. It covers what CPU decode runs: a float32 residual stream with weight-on
 projections fed bfloat16 (``quant.quantize_model(model, "int4")`` on a CPU with fast
 bfloat16), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences, and speculative
 verifications (a few new tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS``
-rows). Anything else (prefill, other quantizations, sliding windows, a GPU) takes the Python layers.
+rows). Anything else (prefill, other quantizations, sliding windows, a GPU, architectures other
+than ``NATIVE_ARCHITECTURES``: Qwen3's and Gemma 3's q/k norms) takes the Python layers.
 
 Each query row attends alone over exactly its own context (one attention call per row), so a
 row's result does not depend on what else is in the batch: a draft position verified here gets
@@ -32,7 +33,7 @@ import torch
 
 from loopstack.engine.model.attention import AttentionMetadata
 
-__all__ = ["NativeDecoder", "load_extension"]
+__all__ = ["NATIVE_ARCHITECTURES", "NativeDecoder", "load_extension"]
 
 log = logging.getLogger("loopstack.engine")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_layers.cpp"
@@ -41,6 +42,7 @@ TENSORS_PER_LAYER = 13
 # rows, and drafts of up to MAX_VERIFY_QUERY - 1 tokens
 MAX_VERIFY_ROWS = 32
 MAX_VERIFY_QUERY = 33
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
 @functools.cache
@@ -76,7 +78,13 @@ class NativeDecoder:
         """A decoder for ``model``, or ``None`` where it does not apply or cannot be built."""
         from loopstack.engine.model.quant import DENSE_ABOVE_ROWS, Int4Linear
 
-        if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.sliding_window is not None:
+        c = model.config
+        if model.device.type != "cpu" or model.dtype != torch.float32 or c.sliding_window is not None:
+            return None
+        # the C++ loop runs the Llama layer body: no q/k norms, one RoPE, SwiGLU (not Gemma 3, Qwen3)
+        if c.architecture not in NATIVE_ARCHITECTURES or c.qk_norm or c.hidden_act != "silu":
+            return None
+        if c.attention_scale != c.head_dim**-0.5 or not c.has_uniform_layers:
             return None
         layers = list(model.layers)
         projections = [

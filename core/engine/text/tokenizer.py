@@ -15,8 +15,10 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from loopstack.engine.errors import ChatTemplateError, UnsupportedTokenizerError
+from loopstack.engine.text.chat_templates import default_chat_template
+from loopstack.engine.text.spm_tokenizer import TokenType, sentencepiece_backend
 
-__all__ = ["IncrementalDecoder", "Tokenizer"]
+__all__ = ["IncrementalDecoder", "Tokenizer", "gguf_eos_token_ids"]
 
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -67,46 +69,40 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF ``tokenizer.ggml.*`` metadata (only the byte-level BPE "gpt2" model).
+        """Build from GGUF ``tokenizer.ggml.*`` metadata: byte-level BPE (``"gpt2"``: SmolLM,
+        Llama 3, Qwen) or SentencePiece BPE (``"llama"``: Gemma, Llama 2; see
+        :mod:`~loopstack.engine.text.spm_tokenizer`).
+
+        The chat template is the file's ``tokenizer.chat_template``, else the architecture's
+        known format where there is one (Gemma 3: see
+        :func:`~loopstack.engine.text.chat_templates.default_chat_template`).
 
         Raises:
             UnsupportedTokenizerError: another tokenizer model, or an unknown pre-tokenizer.
         """
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind == "gpt2":
+            backend = _byte_level_backend(metadata)
+        elif kind == "llama":
+            backend = sentencepiece_backend(metadata)
+        else:
             raise UnsupportedTokenizerError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "load the Hugging Face directory with tokenizer.json instead"
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama'); load the Hugging Face directory with tokenizer.json instead"
             )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        bpe = models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=merges,
-            ignore_merges=pre in ("llama-bpe", "llama3"),
-        )
-        backend = BackendTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
-        # token_type 3 = CONTROL (special, skipped on decode), 4 = USER_DEFINED (kept)
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, kind in enumerate(token_types) if kind == 3])
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                            for i, kind in enumerate(token_types) if kind == 4])
         bos = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
         if bos is not None and metadata.get("tokenizer.ggml.add_bos_token", False):
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
             )
-        eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        template = metadata.get("tokenizer.chat_template")
         return cls(
             backend,
             bos_token_id=bos,
-            eos_token_ids=[int(metadata[k]) for k in eos_keys if metadata.get(k) is not None],
+            eos_token_ids=gguf_eos_token_ids(metadata),
             pad_token_id=_optional_int(metadata.get("tokenizer.ggml.padding_token_id")),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=template or default_chat_template(str(metadata.get("general.architecture"))),
         )
 
     @classmethod
@@ -202,6 +198,38 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids of a GGUF file: its eos/eot/eom ids, and for Gemma 3 the turn-end
+    token ``<end_of_turn>`` that llama.cpp's converter does not name."""
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [int(metadata[k]) for k in eos_keys if metadata.get(k) is not None]
+    if metadata.get("general.architecture") == "gemma3":
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        ids.extend(i for i, token in enumerate(tokens) if token == "<end_of_turn>")
+    return tuple(dict.fromkeys(ids))
+
+
+def _byte_level_backend(metadata: Mapping[str, Any]) -> BackendTokenizer:
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    bpe = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=merges,
+        ignore_merges=pre in ("llama-bpe", "llama3"),
+    )
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    # CONTROL: special, skipped on decode; USER_DEFINED: kept
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, kind in enumerate(token_types) if kind == TokenType.CONTROL])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, kind in enumerate(token_types) if kind == TokenType.USER_DEFINED])
+    return backend
 
 
 class IncrementalDecoder:
