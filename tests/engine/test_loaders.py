@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -28,6 +29,7 @@ from loopstack.engine.loaders.safetensors_loader import save_hf_directory
 from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
+from tests.engine.hf_reference import write_gguf_tensors
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200]
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -175,22 +177,12 @@ def write_tiny_gguf(model: CausalLM, path: Path, tokens: list[str], merges: list
                   "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                   "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
                   "post_attention_layernorm": "ffn_norm"}
-    for name, tensor in model.hf_state_dict().items():
-        if name == "model.embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gguf_name = "output_norm.weight"
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            module, param = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{hf_to_gguf[module]}.{param}"
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
-                tensor = permute_rotary(tensor, c.num_heads if module.endswith("q_proj") else c.num_kv_heads)
-        writer.add_tensor(gguf_name, tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def permute(gguf_name: str, module: str, tensor: Any) -> Any:
+        if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            return permute_rotary(tensor, c.num_heads if module.endswith("q_proj") else c.num_kv_heads)
+        return tensor
+
+    write_gguf_tensors(writer, model.hf_state_dict(), hf_to_gguf, permute)
 
 
 def test_gguf_file_round_trip_unpermutes_qk(tmp_path, make_tiny_model, tiny_vocab):

@@ -9,8 +9,8 @@ import torch
 from loopstack.engine.loaders import load_model
 from loopstack.engine.model.native_decode import NativeDecoder
 from loopstack.engine.model.quant import quantize_model
-from tests.engine.hf_reference import hf_logits, randomize, save_hf_model
-from tests.engine.support import PagedRunner, byte_tokenizer
+from tests.engine.hf_reference import hf_logits, randomize, saved_with_byte_tokenizer
+from tests.engine.support import PagedRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,9 +29,7 @@ def hf_qwen3():
 
 @pytest.fixture(scope="module")
 def qwen3_dir(hf_qwen3, tmp_path_factory):
-    directory = save_hf_model(hf_qwen3, tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM")
-    (directory / "tokenizer.json").write_text(byte_tokenizer().backend.to_str(), encoding="utf-8")
-    return directory
+    return saved_with_byte_tokenizer(hf_qwen3, tmp_path_factory.mktemp("qwen3"), "Qwen3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
