@@ -145,3 +145,22 @@ def test_an_incomplete_query_starts_nothing(tmp_path, arguments):
     plugin.loopstack_tool_call_delta(call=complete, ctx=ctx)  # a later delta of that call: nothing more
     assert catalog.done.wait(10) and catalog.embedded == ["open an issue"]
     plugin.worker.close()
+
+
+def test_the_server_side_search_ranks_a_requests_deferred_tools(tmp_path):
+    """``loopstack_search_deferred_tools`` through the stack's hooks: the names of the best
+    matches among flat Responses tools (a namespace's function by its qualified name)."""
+    runtime = runtime_with(tmp_path, ON + 'retriever = "bm25"\n')
+    ctx = runtime.context()
+    tools = [
+        {"type": "function", "name": "github.create_issue", "namespace": "github",
+         "description": "Open a new issue in a GitHub repository", "parameters": {"type": "object"}},
+        {"type": "function", "name": "github.merge_pull_request", "namespace": "github",
+         "description": "Merge a pull request", "parameters": {"type": "object"}},
+        {"type": "function", "name": "read_weather", "description": "Today's weather for a city"},
+    ]
+    assert ctx.hooks.serves("loopstack_search_deferred_tools")
+    names = ctx.hooks.search_deferred_tools(tools, "open an issue about a crash", 2, ctx)
+    assert names and names[0] == "github.create_issue" and len(names) <= 2
+    assert ctx.hooks.search_deferred_tools([], "anything", 2, ctx) == []
+    runtime.instance("tool_search").worker.close()
