@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from loopstack.api.errors import APIError
 from loopstack.api.tool_calls.grammar import TextFormatError, ToolChoiceError, response_grammar
 from loopstack.engine import SamplingParams
+from loopstack.stack.schema import DEFAULT_MAX_OUTPUT_TOKENS
 
 if TYPE_CHECKING:
     from loopstack.engine.cache_options import Retention
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "EngineClient", "generation_inputs"]
 
-DEFAULT_MAX_OUTPUT_TOKENS = 1024
 
 
 class EngineClient(Protocol):

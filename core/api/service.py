@@ -144,11 +144,13 @@ class PromptInputs:
 
 class ResponsesService:
     def __init__(self, engine: EngineClient, store: ResponseStore, *, model_name: str,
-                 hosted_tools: Literal["omit", "reject"] = "omit") -> None:
+                 hosted_tools: Literal["omit", "reject"] = "omit",
+                 max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
         self.engine = engine
         self.store = store
         self.model_name = model_name
         self.hosted_tools = hosted_tools  # ApiConfig.hosted_tools: what becomes of tools the server cannot run
+        self.max_output_tokens = max_output_tokens  # ApiConfig.max_output_tokens: a request's budget if it sets none
         self._warned: set[str] = set()  # hosted tool types omitted before: warned once, then at debug level
 
     def without_hosted_tools(self, request: ResponsesRequest) -> ResponsesRequest:
@@ -266,7 +268,7 @@ class ResponsesService:
             self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             text_format=request.text.format if request.text else None, format_param="text.format",
-            input_param="input", max_tokens=request.max_output_tokens if request.generates else 1,
+            input_param="input", max_tokens=(request.max_output_tokens or self.max_output_tokens) if request.generates else 1,
             temperature=request.temperature,
             top_p=request.top_p, seed=request.seed,
         )
@@ -463,7 +465,7 @@ class ResponsesService:
         listed = {t.name for t in tools}
         callable_tools = tools + [t for t in loaded_tools(items) if t.name not in listed]
         prompt = render_prompt(self.engine.tokenizer, items_to_messages(request.instructions, items), tools)
-        budget = (request.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS) - generated
+        budget = (request.max_output_tokens or self.max_output_tokens) - generated
         prompt_ids, params = generation_inputs(
             self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,

@@ -25,7 +25,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.service = ResponsesService(self.engine, self.store, model_name=self.model_name,
-                                        hosted_tools=self.live.current.stack.api.hosted_tools)
+                                        hosted_tools=self.live.current.stack.api.hosted_tools,
+                                        max_output_tokens=self.live.current.stack.api.max_output_tokens)
 
     def reload(self) -> ReloadResult:
         """Reload the stack file; a router in front of replicas is announced to the new stack's
@@ -38,6 +39,7 @@ class ServerState:
         if result.ok:
             self.apply_kv_cache()
             self.service.hosted_tools = self.live.current.stack.api.hosted_tools
+            self.service.max_output_tokens = self.live.current.stack.api.max_output_tokens
         return result
 
     def apply_kv_cache(self) -> None:

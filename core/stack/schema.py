@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from loopstack.plugin import PluginConfig
 
+DEFAULT_MAX_OUTPUT_TOKENS = 1024  # a request's output budget when neither it nor the stack sets one
+
 
 class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,6 +87,9 @@ class ApiConfig(_Table):
     response_ttl_s: float = Field(30 * 24 * 3600.0, gt=0, description="stored responses older than this expire")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     arm_override_header: str = Field("x-loopstack-arms", description="request header that overrides A/B arms")
+    max_output_tokens: int = Field(
+        DEFAULT_MAX_OUTPUT_TOKENS, ge=1, description="output budget of a request that sets none (Responses "
+        "max_output_tokens, chat max_completion_tokens / max_tokens); a response that reaches it ends incomplete")
     hosted_tools: Literal["omit", "reject"] = Field(
         "omit", description="Responses API tools the server cannot run (web_search, file_search, code_interpreter, "
         "...): omit them from the prompt with a logged warning, or reject the request naming the tool")

@@ -45,6 +45,7 @@ class ScriptedEngine:
 
     Attributes:
         prompts: every prompt's token ids, in order (what the server sent to "inference").
+        params: each prompt's sampling parameters (its output budget, stops, grammar), in order.
     """
 
     def __init__(self, tokenizer: Any, script: Callable[[list[int]], str] | None = None, *,
@@ -53,6 +54,7 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.script = script
         self.prompts: list[list[int]] = []
+        self.params: list[Any] = []
         self._texts: deque[str] = deque()
 
     def push(self, *texts: str) -> None:
@@ -70,6 +72,7 @@ class ScriptedEngine:
         if capture is not None:
             raise ValueError("a scripted engine cannot capture hidden states (hidden_state_model is None)")
         self.prompts.append(list(prompt_token_ids))
+        self.params.append(params)
         if self.script is not None:
             text = self.script(prompt_token_ids)
         else:

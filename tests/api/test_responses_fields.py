@@ -161,3 +161,32 @@ def test_generate_false_fills_the_cache_and_outputs_nothing(served):
     served.push("Hi.")
     turn = served.client.responses.create(model="m", input="Hello", previous_response_id=warm.id)
     assert turn.output_text == "Hi." and "You are terse." in served.last_prompt()
+
+
+# -- the stack's output budget -------------------------------------------------------------
+
+
+def test_a_request_without_an_output_limit_gets_the_stacks(tokenizer, tmp_path):
+    """``[api] max_output_tokens``: the budget of a request that sets none (Codex sends none), on
+    both endpoints; a request's own limit wins."""
+    stack = tmp_path / "budget.toml"
+    stack.write_text('[stack]\nname = "budget"\nextends = "baseline"\n[api]\nmax_output_tokens = 77\n')
+    server = ScriptedAPI(stack, tokenizer)
+    try:
+        server.client.responses.create(model="m", input="hi")
+        server.client.responses.create(model="m", input="hi", max_output_tokens=20)
+        server.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        server.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=9)
+        assert [p.max_tokens for p in server.engine.params] == [77, 20, 77, 9]
+    finally:
+        server.close()
+    assert [p.max_tokens for p in _served_budgets(tokenizer)] == [1024]  # the default without the option
+
+
+def _served_budgets(tokenizer: Any) -> list[Any]:
+    server = ScriptedAPI("baseline", tokenizer)
+    try:
+        server.client.responses.create(model="m", input="hi")
+        return list(server.engine.params)
+    finally:
+        server.close()
