@@ -8,6 +8,7 @@ settings into prompt ids and :class:`SamplingParams`, raising the API error that
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loopstack.api.errors import APIError
@@ -22,7 +23,29 @@ if TYPE_CHECKING:
     from loopstack.engine.seams.speculation import SpeculationSpec
     from loopstack.inference.types import RouteHints
 
-__all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "EngineClient", "generation_inputs"]
+__all__ = ["DEFAULT_MAX_OUTPUT_TOKENS", "EngineClient", "GenerationDefaults", "generation_inputs"]
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that leaves a sampling field out gets: the stack's ``[api]`` settings
+    (``max_output_tokens``, ``temperature``, ``top_p``), else the API's own defaults."""
+
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, api: Any) -> GenerationDefaults:
+        """From a stack's ``[api]`` table (:class:`loopstack.stack.schema.ApiConfig`)."""
+        return cls(api.max_output_tokens, 1.0 if api.temperature is None else api.temperature,
+                   1.0 if api.top_p is None else api.top_p)
+
+    def temperature_for(self, requested: float | None) -> float:
+        return self.temperature if requested is None else requested
+
+    def top_p_for(self, requested: float | None) -> float:
+        return self.top_p if requested is None else requested
 
 
 

@@ -33,7 +33,7 @@ from loopstack.api.conversation import (
 )
 from loopstack.api.decoding_metrics import record_decoding
 from loopstack.api.errors import APIError
-from loopstack.api.generation import DEFAULT_MAX_OUTPUT_TOKENS, EngineClient, generation_inputs
+from loopstack.api.generation import EngineClient, GenerationDefaults, generation_inputs
 from loopstack.api.hosted_search import (
     DEFAULT_LIMIT,
     MAX_SEARCHES,
@@ -145,12 +145,12 @@ class PromptInputs:
 class ResponsesService:
     def __init__(self, engine: EngineClient, store: ResponseStore, *, model_name: str,
                  hosted_tools: Literal["omit", "reject"] = "omit",
-                 max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
+                 defaults: GenerationDefaults | None = None) -> None:
         self.engine = engine
         self.store = store
         self.model_name = model_name
         self.hosted_tools = hosted_tools  # ApiConfig.hosted_tools: what becomes of tools the server cannot run
-        self.max_output_tokens = max_output_tokens  # ApiConfig.max_output_tokens: a request's budget if it sets none
+        self.defaults = defaults or GenerationDefaults()  # ApiConfig's output budget, temperature and top_p for requests that set none
         self._warned: set[str] = set()  # hosted tool types omitted before: warned once, then at debug level
 
     def without_hosted_tools(self, request: ResponsesRequest) -> ResponsesRequest:
@@ -268,9 +268,9 @@ class ResponsesService:
             self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             text_format=request.text.format if request.text else None, format_param="text.format",
-            input_param="input", max_tokens=(request.max_output_tokens or self.max_output_tokens) if request.generates else 1,
-            temperature=request.temperature,
-            top_p=request.top_p, seed=request.seed,
+            input_param="input", max_tokens=(request.max_output_tokens or self.defaults.max_output_tokens) if request.generates else 1,
+            temperature=self.defaults.temperature_for(request.temperature),
+            top_p=self.defaults.top_p_for(request.top_p), seed=request.seed,
         )
         return Prepared(request, principal, response_id or new_id("resp"), new_items, prompt_ids, params,
                         {t.name for t in callable_tools}, prompt=chained,
@@ -314,8 +314,8 @@ class ResponsesService:
             "tools": request.tools,
             "tool_choice": request.tool_choice,
             "parallel_tool_calls": request.parallel_tool_calls,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "temperature": self.defaults.temperature_for(request.temperature),
+            "top_p": self.defaults.top_p_for(request.top_p),
             "max_output_tokens": request.max_output_tokens,
             "previous_response_id": request.previous_response_id,
             "store": request.store,
@@ -465,13 +465,14 @@ class ResponsesService:
         listed = {t.name for t in tools}
         callable_tools = tools + [t for t in loaded_tools(items) if t.name not in listed]
         prompt = render_prompt(self.engine.tokenizer, items_to_messages(request.instructions, items), tools)
-        budget = (request.max_output_tokens or self.max_output_tokens) - generated
+        budget = (request.max_output_tokens or self.defaults.max_output_tokens) - generated
         prompt_ids, params = generation_inputs(
             self.engine, prompt, callable_tools, tool_choice=request.tool_choice,
             parallel_tool_calls=request.parallel_tool_calls,
             text_format=request.text.format if request.text else None, format_param="text.format",
-            input_param="input", max_tokens=max(1, budget), temperature=request.temperature,
-            top_p=request.top_p, seed=request.seed,
+            input_param="input", max_tokens=max(1, budget),
+            temperature=self.defaults.temperature_for(request.temperature),
+            top_p=self.defaults.top_p_for(request.top_p), seed=request.seed,
         )
         builder.namespaced.update({t.name: (t.namespace, t.api_name) for t in callable_tools if t.namespace})
         return _Round(prompt_ids, params, {t.name for t in callable_tools})

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopstack.api.auth import KeyRing
-from loopstack.api.generation import EngineClient
+from loopstack.api.generation import EngineClient, GenerationDefaults
 from loopstack.api.service import ResponsesService
 from loopstack.api.store import ResponseStore
 from loopstack.live import LiveStack, ReloadResult
@@ -26,7 +26,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.service = ResponsesService(self.engine, self.store, model_name=self.model_name,
                                         hosted_tools=self.live.current.stack.api.hosted_tools,
-                                        max_output_tokens=self.live.current.stack.api.max_output_tokens)
+                                        defaults=GenerationDefaults.of(self.live.current.stack.api))
 
     def reload(self) -> ReloadResult:
         """Reload the stack file; a router in front of replicas is announced to the new stack's
@@ -39,7 +39,7 @@ class ServerState:
         if result.ok:
             self.apply_kv_cache()
             self.service.hosted_tools = self.live.current.stack.api.hosted_tools
-            self.service.max_output_tokens = self.live.current.stack.api.max_output_tokens
+            self.service.defaults = GenerationDefaults.of(self.live.current.stack.api)
         return result
 
     def apply_kv_cache(self) -> None:

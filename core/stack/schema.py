@@ -90,6 +90,10 @@ class ApiConfig(_Table):
     max_output_tokens: int = Field(
         DEFAULT_MAX_OUTPUT_TOKENS, ge=1, description="output budget of a request that sets none (Responses "
         "max_output_tokens, chat max_completion_tokens / max_tokens); a response that reaches it ends incomplete")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="sampling temperature of a request that sets none; null is the API's 1.0 "
+        "(small models follow a long agent prompt better at 0)")
+    top_p: float | None = Field(None, gt=0, le=1, description="top_p of a request that sets none; null is 1.0")
     hosted_tools: Literal["omit", "reject"] = Field(
         "omit", description="Responses API tools the server cannot run (web_search, file_search, code_interpreter, "
         "...): omit them from the prompt with a logged warning, or reject the request naming the tool")

@@ -74,7 +74,9 @@ def _prepare(state: Any, body: ChatCompletionsRequest, principal: Any, completio
     prompt_ids, params = generation_inputs(
         state.engine, prompt, tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
         text_format=response_format, format_param="response_format", input_param="messages",
-        max_tokens=max_tokens or state.service.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+        max_tokens=max_tokens or state.service.defaults.max_output_tokens,
+        temperature=state.service.defaults.temperature_for(body.temperature),
+        top_p=state.service.defaults.top_p_for(body.top_p),
         seed=body.seed, stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
     )
     items = chat_items(messages)
