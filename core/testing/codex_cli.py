@@ -33,14 +33,18 @@ class CodexUnavailable(RuntimeError):
 
 
 def provider_config(base_url: str, *, model: str, websockets: bool = False, context_window: int | None = None,
-                    auto_compact_tokens: int | None = None) -> str:
+                    auto_compact_tokens: int | None = None, instructions_file: Path | None = None) -> str:
     """A Codex ``config.toml`` that serves ``model`` from loopstack at ``base_url``.
 
     ``context_window`` / ``auto_compact_tokens`` are what Codex reads to size its history
     (``model_context_window``, ``model_auto_compact_token_limit``): without them it assumes a
     frontier model's window and never compacts before the server's context limit.
+    ``instructions_file`` (``model_instructions_file``) replaces Codex's own ~3,800-token system
+    prompt: how a small-context model fits the first request (``examples/codex/instructions.md``).
     """
     lines = [f"model = {json.dumps(model)}", 'model_provider = "loopstack"']
+    if instructions_file is not None:
+        lines.append(f"model_instructions_file = {json.dumps(str(instructions_file))}")
     if context_window:
         lines.append(f"model_context_window = {context_window}")
     if auto_compact_tokens:
@@ -116,17 +120,24 @@ class CodexCLI:
         return found
 
     def exec(self, prompt: str, *, base_url: str, model: str = "loopstack", websockets: bool = False,
-             context_window: int | None = None, cwd: Path | None = None, timeout: float = 300,
+             context_window: int | None = None, auto_compact_tokens: int | None = None,
+             instructions: str | None = None, cwd: Path | None = None, timeout: float = 300,
              sandbox: str = "danger-full-access") -> CodexRun:
         """Run one ``codex exec`` turn against ``base_url`` in a fresh ``CODEX_HOME``.
 
+        ``instructions`` replaces Codex's system prompt (see :func:`provider_config`).
         ``sandbox`` is Codex's ``-s``: the default runs its commands unsandboxed (containers
         often lack the user namespaces its bubblewrap sandbox needs); pass ``read-only`` where
         it works.
         """
         with tempfile.TemporaryDirectory(prefix="loopstack-codex-home-") as home:
+            instructions_file = None
+            if instructions is not None:
+                instructions_file = Path(home, "instructions.md")
+                instructions_file.write_text(instructions)
             Path(home, "config.toml").write_text(provider_config(
-                base_url, model=model, websockets=websockets, context_window=context_window))
+                base_url, model=model, websockets=websockets, context_window=context_window,
+                auto_compact_tokens=auto_compact_tokens, instructions_file=instructions_file))
             env = {**os.environ, "CODEX_HOME": home, "NO_COLOR": "1"}
             env.pop("OPENAI_API_KEY", None)  # the provider entry has no env_key: nothing to send
             done = subprocess.run(
