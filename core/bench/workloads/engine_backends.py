@@ -61,24 +61,21 @@ class LoopstackBackend:
 
 
 class TransformersBackend:
-    """Hugging Face ``LlamaForCausalLM`` with the same weights; its own KV cache per call."""
+    """The Hugging Face model class of the architecture (``LlamaForCausalLM``,
+    ``Gemma3ForCausalLM``, ...) with the same weights; its own KV cache per call."""
 
     supports_batch = True
 
     def __init__(self, float_model: Any) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        c = float_model.config
-        config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta goes through **kwargs
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        )
-        self.model = LlamaForCausalLM(config).eval()
+        hf = dict(float_model.config.to_hf_config())
+        config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+        self.model = AutoModelForCausalLM.from_config(config).eval()
         missing, unexpected = self.model.load_state_dict(float_model.hf_state_dict(), strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
-            raise RuntimeError(f"weights do not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+            name = type(self.model).__name__
+            raise RuntimeError(f"weights do not match {name}: missing {missing}, unexpected {unexpected}")
         self.model.tie_weights()
         self._forward_params = set(inspect.signature(self.model.forward).parameters)
 
