@@ -48,7 +48,6 @@ class GenerationDefaults:
         return self.top_p if requested is None else requested
 
 
-
 class EngineClient(Protocol):
     """What the API needs from inference: the embedded AsyncEngine or a test double
     (:class:`loopstack.testing.scripted_engine.ScriptedEngine`); later the router in front of
