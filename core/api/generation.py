@@ -88,15 +88,16 @@ def generation_inputs(
     text_format: dict[str, Any] | None,
     format_param: str,
     input_param: str,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
     seed: int | None,
     stop: tuple[str, ...] = (),
 ) -> tuple[list[int], SamplingParams]:
     """Prompt ids and sampling settings shared by both APIs; raises APIError naming the field.
 
-    ``prompt`` is the rendered text, or its token ids when the caller has them already.
+    ``prompt`` is the rendered text, or its token ids when the caller has them already; the
+    sampling values are resolved already (a request's own, else :class:`GenerationDefaults`).
     """
     try:
         grammar = response_grammar(tools, tool_choice, parallel_tool_calls, text_format)
@@ -110,9 +111,9 @@ def generation_inputs(
         raise APIError(f"The {input_param} is {len(prompt_ids)} tokens; this model's context window is "
                        f"{engine.max_model_len} tokens.", param=input_param, code="context_length_exceeded")
     params = SamplingParams(
-        max_tokens=min(max_tokens or DEFAULT_MAX_OUTPUT_TOKENS, room),
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
+        max_tokens=min(max_tokens, room),
+        temperature=temperature,
+        top_p=top_p,
         seed=seed,
         stop=stop,
         grammar=grammar,

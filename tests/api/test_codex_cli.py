@@ -18,20 +18,11 @@ import httpx
 import pytest
 
 from loopstack.api.server import ServerThread, build_state, close_state
-from loopstack.testing.codex_cli import CodexCLI, CodexUnavailable
 from loopstack.testing.scripted_engine import ScriptedEngine, default_tokenizer
 
 COMMAND = "echo loopstack-$((6*7))"
 CALL = ('<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo loopstack-$((6*7))"}}\n</tool_call>')
 ANSWER = "The command printed loopstack-42."
-
-
-@pytest.fixture(scope="module")
-def codex() -> CodexCLI:
-    try:
-        return CodexCLI.install()
-    except CodexUnavailable as exc:
-        pytest.skip(f"the Codex CLI is not installed and npm could not install it ({exc}); run `make codex`")
 
 
 @pytest.fixture(scope="module")

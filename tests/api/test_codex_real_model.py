@@ -22,20 +22,11 @@ from typing import Any
 import pytest
 
 from loopstack.api.server import ServerThread, build_state, close_state
-from loopstack.testing.codex_cli import CodexCLI, CodexUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 INSTRUCTIONS = (REPO / "examples" / "codex" / "instructions.md").read_text()
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def codex() -> CodexCLI:
-    try:
-        return CodexCLI.install()
-    except CodexUnavailable as exc:
-        pytest.skip(f"the Codex CLI is not installed and npm could not install it ({exc}); run `make codex`")
 
 
 def serve(stack: Path | str) -> Iterator[Any]:

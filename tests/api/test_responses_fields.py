@@ -166,27 +166,25 @@ def test_generate_false_fills_the_cache_and_outputs_nothing(served):
 # -- the stack's output budget -------------------------------------------------------------
 
 
-def test_a_request_without_an_output_limit_gets_the_stacks(tokenizer, tmp_path):
-    """``[api] max_output_tokens``: the budget of a request that sets none (Codex sends none), on
-    both endpoints; a request's own limit wins."""
+def test_a_request_without_an_output_limit_gets_the_stacks(tokenizer, served, tmp_path):
+    """``[api] max_output_tokens`` and ``temperature``: what a request that sets none gets (Codex
+    sends neither), on both endpoints and in the echoed response; a request's own value wins."""
     stack = tmp_path / "budget.toml"
-    stack.write_text('[stack]\nname = "budget"\nextends = "baseline"\n[api]\nmax_output_tokens = 77\n')
+    stack.write_text('[stack]\nname = "budget"\nextends = "baseline"\n[api]\nmax_output_tokens = 77\ntemperature = 0\n')
     server = ScriptedAPI(stack, tokenizer)
     try:
         server.client.responses.create(model="m", input="hi")
         server.client.responses.create(model="m", input="hi", max_output_tokens=20)
         server.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         server.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=9)
-        assert [p.max_tokens for p in server.engine.params] == [77, 20, 77, 9]
+        server.client.responses.create(model="m", input="hi", temperature=0.7)
+        params = server.engine.params
+        assert [p.max_tokens for p in params] == [77, 20, 77, 9, 77]
+        assert [p.temperature for p in params] == [0, 0, 0, 0, 0.7]  # the stack's, unless the request's
+        echoed = server.client.responses.create(model="m", input="hi")
+        assert echoed.temperature == 0 and echoed.top_p == 1.0
     finally:
         server.close()
-    assert [p.max_tokens for p in _served_budgets(tokenizer)] == [1024]  # the default without the option
-
-
-def _served_budgets(tokenizer: Any) -> list[Any]:
-    server = ScriptedAPI("baseline", tokenizer)
-    try:
-        server.client.responses.create(model="m", input="hi")
-        return list(server.engine.params)
-    finally:
-        server.close()
+    served.client.responses.create(model="m", input="hi")  # baseline, without the options: the API's defaults
+    default = served.engine.params[-1]
+    assert (default.max_tokens, default.temperature, default.top_p) == (1024, 1.0, 1.0)

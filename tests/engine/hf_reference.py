@@ -47,6 +47,23 @@ def saved_with_byte_tokenizer(model: Any, directory: Path, class_name: str) -> P
     return directory
 
 
+def gguf_writer(path: Path, arch: str, config: Any) -> Any:
+    """A ``GGUFWriter`` for ``arch`` with the hyperparameters every decoder's file carries
+    (layers, sizes, heads, RoPE base, norm epsilon) from a ``ModelConfig``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
 def write_gguf_tensors(writer: Any, state: dict[str, torch.Tensor], layer_names: dict[str, str],
                        transform: Any = None) -> None:
     """Add ``state`` (HF names) to a ``gguf.GGUFWriter`` under llama.cpp's tensor names, then write

@@ -20,7 +20,13 @@ from loopstack.engine.model.gemma3 import Gemma3CausalLM
 from loopstack.engine.model.native_decode import NativeDecoder
 from loopstack.engine.model.quant import quantize_model
 from loopstack.engine.sampling_params import SamplingParams
-from tests.engine.hf_reference import hf_logits, randomize, saved_with_byte_tokenizer, write_gguf_tensors
+from tests.engine.hf_reference import (
+    gguf_writer,
+    hf_logits,
+    randomize,
+    saved_with_byte_tokenizer,
+    write_gguf_tensors,
+)
 from tests.engine.support import PagedRunner, byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -161,17 +167,9 @@ def write_gemma3_gguf(model: Gemma3CausalLM, path) -> None:
     """A GGUF as llama.cpp's converter writes Gemma 3: norms stored as weight + 1, Q/K not permuted,
     a SentencePiece vocabulary of byte pieces."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), arch="gemma3")
-    writer.add_block_count(c.num_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
+    writer = gguf_writer(path, "gemma3", c)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(c.sliding_window)
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(4.0)

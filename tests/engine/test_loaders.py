@@ -29,7 +29,7 @@ from loopstack.engine.loaders.safetensors_loader import save_hf_directory
 from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
-from tests.engine.hf_reference import write_gguf_tensors
+from tests.engine.hf_reference import gguf_writer, write_gguf_tensors
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 7, 128, 64, 31, 200]
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -155,15 +155,7 @@ def test_rotary_permutation_round_trips_and_interleaves():
 def write_tiny_gguf(model: CausalLM, path: Path, tokens: list[str], merges: list[str]) -> None:
     """A GGUF file as llama.cpp's converter writes it: F32 tensors, Q/K permuted."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), arch="llama")
-    writer.add_block_count(c.num_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer = gguf_writer(path, "llama", c)
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
