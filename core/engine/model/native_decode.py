@@ -1,12 +1,11 @@
-"""The decode step's layer loop in C++ (``csrc/decode_layers.cpp``), built on first use.
+"""The decode step's layer loop in C++ (``csrc/q4q8_decode.cpp``, ``csrc/decode_layers.cpp``), built on first use.
 
 A decode step of SmolLM2-135M runs ~35 ATen ops in each of 30 layers; from Python each
 costs ~4-8 us of interpreter and binding overhead on top of its kernel, a third of the
 step on 2 cores. The extension runs the same ops in the same order from C++ (what CUDA
 graphs do for a GPU engine, without capturing anything), so its logits equal the Python
 path's. It covers what CPU decode runs: a float32 residual stream with weight-only int4
-projections fed bfloat16 (``quant.quantize_model(model, "int4")`` on a CPU with fast
-bfloat16), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences, and speculative
+projections (``quant.quantize_model(model, "int4")``), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences, and speculative
 verifications (a few new tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS``
 rows). Anything else (prefill, other quantizations, sliding windows, a GPU, architectures other
 than ``NATIVE_ARCHITECTURES``: Qwen3's and Gemma 3's q/k norms) takes the Python layers.
@@ -16,27 +15,26 @@ row's result does not depend on what else is in the batch: a draft position veri
 bit for bit the logits the plain decode step would have given it, and greedy speculative
 decoding reproduces plain greedy decoding exactly.
 
-The build needs a C++ compiler and ninja; it takes ~1 minute once and is cached by torch
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). If it fails, the engine
-logs why once and keeps the Python path. ``LOOPSTACK_NATIVE_DECODE=0`` turns it off.
+Two loops, one per :class:`~loopstack.engine.model.quant.Int4Linear` format: with q4q8
+projections (CPUs with AVX-512 VNNI), ``q4q8_decode.cpp`` runs the whole layer as plain loops
+over preallocated buffers (no ATen op between the matmuls; its float operations differ from the
+Python layers' in order, so logits agree to rounding, not to the bit); with torch's int4pack,
+``decode_layers.cpp`` calls the same ATen ops as the Python layers, in the same order.
+
+The build is :mod:`~loopstack.engine.model.extension`'s. ``LOOPSTACK_NATIVE_DECODE=0`` turns it off.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from loopstack.engine.model.attention import AttentionMetadata
+from loopstack.engine.model.extension import load_extension
 
 __all__ = ["NATIVE_ARCHITECTURES", "NativeDecoder", "load_extension"]
 
-log = logging.getLogger("loopstack.engine")
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_layers.cpp"
 TENSORS_PER_LAYER = 13
 # a verification runs here (int4 for every row, as the decode steps it stands for) up to this many
 # rows, and drafts of up to MAX_VERIFY_QUERY - 1 tokens
@@ -45,27 +43,13 @@ MAX_VERIFY_QUERY = 33
 NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
-@functools.cache
-def load_extension() -> Any | None:
-    """The compiled extension, or ``None`` (turned off, or the build failed: logged once)."""
-    if os.environ.get("LOOPSTACK_NATIVE_DECODE", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="loopstack_decode_layers_v6", sources=[str(SOURCE)],
-                    extra_cflags=["-O2", "-march=native"], verbose=False)
-    except Exception as exc:  # a missing compiler or ninja, a failed build: the Python layers still work
-        log.warning("native decode unavailable (%s: %s); decode steps use the Python layers",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None
-
-
 class NativeDecoder:
     """Runs a quantized CausalLM's decoder layers for decode steps through the extension."""
 
-    def __init__(self, extension: Any, model: Any, weights: list[torch.Tensor], group_size: int, max_rows: int) -> None:
+    def __init__(self, extension: Any, model: Any, weights: list[torch.Tensor], group_size: int, max_rows: int,
+                 is_q4q8: bool = False) -> None:
         self._ext = extension
+        self.is_q4q8 = is_q4q8
         self._weights = weights
         c = model.config
         self._shape = (c.num_heads, c.num_kv_heads, c.head_dim)
@@ -93,7 +77,12 @@ class NativeDecoder:
         ]
         if not all(isinstance(p, Int4Linear) for p in projections):
             return None
-        if any(layer.projection_dtype != torch.bfloat16 for layer in layers):
+        kernels = {p.kernel for p in projections}
+        if len(kernels) != 1:
+            return None
+        is_q4q8 = kernels == {"q4q8"}
+        # int4pack projections are fed bfloat16 (quant.quantize_model sets it), q4q8 ones float32
+        if any(layer.projection_dtype != (None if is_q4q8 else torch.bfloat16) for layer in layers):
             return None
         group_sizes = {p.group_size for p in projections}
         unbiased = (p for layer in layers for p in (layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -111,7 +100,7 @@ class NativeDecoder:
                         attn.o_proj.packed, attn.o_proj.scales_and_zeros, *layer.post_attn_norm.scaled_weight(),
                         mlp.gate_up_proj.packed, mlp.gate_up_proj.scales_and_zeros,
                         mlp.down_proj.packed, mlp.down_proj.scales_and_zeros]
-        return cls(extension, model, weights, group_sizes.pop(), DENSE_ABOVE_ROWS)
+        return cls(extension, model, weights, group_sizes.pop(), DENSE_ABOVE_ROWS, is_q4q8)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # it holds the original model's weights: a copied model takes the Python layers
@@ -130,8 +119,14 @@ class NativeDecoder:
         num_heads, num_kv_heads, head_dim = self._shape
         contiguous = meta.contiguous_first_block
         row_context_lens = [c - q + 1 + j for q, c in zip(meta.query_lens, meta.context_lens) for j in range(q)]
+        contiguous_start = -1 if contiguous is None else contiguous * meta.block_size
+        if self.is_q4q8:
+            return self._ext.decode_layers_q4q8(
+                hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, row_context_lens, contiguous_start,
+                self._weights, num_heads, num_kv_heads, head_dim, meta.block_size, self._scale, list(meta.query_lens),
+            )
         return self._ext.decode_layers(
-            hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, row_context_lens,
-            -1 if contiguous is None else contiguous * meta.block_size, self._weights,
-            num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale, list(meta.query_lens),
+            hidden, cos, sin, kv_slots, meta.slot_mapping, meta.block_tables, row_context_lens, contiguous_start,
+            self._weights, num_heads, num_kv_heads, head_dim, meta.block_size, self._group_size, self._scale,
+            list(meta.query_lens),
         )

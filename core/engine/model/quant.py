@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopstack.engine.device import cpu_has_fast_bfloat16
-from loopstack.engine.model import int8_dynamic
+from loopstack.engine.model import extension, int8_dynamic
 from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 
 __all__ = [
     "DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "DynamicInt8Linear", "HeadMode", "Int4Linear", "Int8Linear",
-    "Int8RescoredHead", "QuantMode", "CALIBRATION_TEXT", "calibrate_head", "quantize_model",
+    "Int8RescoredHead", "QuantMode", "CALIBRATION_TEXT", "calibrate_head", "pack_q4", "pack_q8", "quantize_model",
 ]
 
 QuantMode = Literal["int4", "int8", "int8_dynamic"]
@@ -83,13 +83,18 @@ class _WeightOnlyLinear(nn.Module, ABC):
 
 
 class Int4Linear(_WeightOnlyLinear):
-    """4-bit weights in groups of ``group_size`` input columns, each with a scale and a zero.
+    """4-bit weights in groups of ``group_size`` input columns, each with a scale and an offset.
 
-    The kernel holds scale and zero in bfloat16; the zero's rounding is the larger error,
-    and each group picks the encoding whose zero rounds better (see ``_int4_groups``).
-    Measured on SmolLM2-135M (Q4_1 source), mean KL to the float32 model: 0.0003-0.0004
-    (as with the float32 zero correction ``group_sums(x) @ zero_error`` this replaces, which
-    cost two extra ops per projection; a bfloat16 model: 0.0014).
+    Two formats, chosen at construction (``kernel``):
+
+    - ``"q4q8"`` where the engine's C++ extension has its AVX-512 VNNI matmul
+      (``csrc/q4q8_matmul.cpp``): GGUF Q4_1's encoding (code * d + m, float16 d and m, groups
+      of 32), times activations quantized per group of 32 to int8 on each call: integer dot
+      products, as llama.cpp runs Q4_1 on such CPUs (~2.5-3.5x torch's int4 kernel at one row).
+      Fed float32. Needs out_features to be a multiple of 16.
+    - ``"int4pack"`` elsewhere: torch's ``_weight_int4pack_mm_for_cpu``, bfloat16 activations,
+      bfloat16 scale and zero; the zero's rounding is the larger error, and each group picks
+      the encoding whose zero rounds better (see ``_int4_groups``).
     """
 
     packed: torch.Tensor
@@ -97,25 +102,84 @@ class Int4Linear(_WeightOnlyLinear):
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32,
-        dense_dtype: torch.dtype = torch.float32,
+        dense_dtype: torch.dtype = torch.float32, kernel: Literal["q4q8", "int4pack"] | None = None,
     ) -> None:
         out_features, in_features = weight.shape
         if in_features % group_size:
             raise ValueError(f"in_features ({in_features}) must be a multiple of group_size ({group_size})")
         super().__init__(weight.detach().to(dense_dtype), None if bias is None else bias.detach())
-        groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
-        codes, scale, zero = _int4_groups(groups)
         self.group_size = group_size
-        codes_int32 = codes.view(out_features, in_features).to(torch.int32)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_int32, 2),
-                             persistent=False)
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous(),
-                             persistent=False)  # [G, N, 2]
+        if kernel is None:
+            is_tileable = group_size == 32 and out_features % 16 == 0
+            kernel = "q4q8" if is_tileable and extension.has_q4q8() else "int4pack"
+        self.kernel = kernel
+        if kernel == "q4q8":
+            self.kernel_dtype = torch.float32  # it quantizes its input itself
+            packed, scales_and_zeros = pack_q4(weight)  # scales_and_zeros: d and m of each group
+        else:
+            groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+            codes, scale, zero = _int4_groups(groups)
+            codes_int32 = codes.view(out_features, in_features).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes_int32, 2)
+            scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [G, N, 2]
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
 
     def _quantized_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "q4q8":
+            return extension.q4q8_matmul(rows, self.packed, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.contiguous(), self.packed, self.group_size, self.scales_and_zeros
         )
+
+
+def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[N, K]`` (N a multiple of 16, K of 32) in the q4q8 kernel's 4-bit format: min/max
+    codes per group of 32 inputs, ``weight ~ code * d + m`` with float16 ``d`` and ``m`` (for a GGUF
+    Q4_1 source, its own codes and scales), 16 rows side by side (``csrc/q4q8_matmul.cpp``
+    describes the layout). Returns ``packed`` (uint8 ``[N / 16, K / 32, 256]``) and ``dm``
+    (float16 ``[N / 16, K / 32, 32]``: per row tile and group, 16 ``d`` then 16 ``m``)."""
+    groups = _groups_of(weight)
+    low, high = torch.aminmax(groups, dim=-1)  # [N, G]
+    d, m = ((high - low) / 15).to(torch.float16), low.to(torch.float16)
+    step = d.float()
+    codes = (groups - m.float()[..., None]).div_(torch.where(step == 0, 1.0, step)[..., None]).round_().clamp_(0, 15)
+    codes = codes.masked_fill_((step == 0)[..., None], 0).to(torch.uint8)
+    tiles, num_groups = weight.shape[0] // 16, groups.shape[1]
+    # input 32g + 8c + 4h + i of row 16t + j -> chunk (t, g, c), byte 4j + i, nibble h
+    codes = codes.view(tiles, 16, num_groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [T, G, C, j, i, h]
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).reshape(tiles, num_groups, 256).contiguous()
+    return packed, _tile_scales(d, m)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in the q4q8 kernel's 8-bit format: symmetric codes per group of 32 inputs
+    (``weight ~ (code - 128) * d``, GGUF's Q8_0: for a Q8_0 source its own codes and scales), 16
+    rows side by side. Returns ``packed`` (uint8 ``[N / 16, K / 32, 512]``) and ``dm`` as
+    :func:`pack_q4`'s (``m = -128 d``)."""
+    groups = _groups_of(weight)
+    d = (groups.abs().amax(-1) / 127).to(torch.float16)  # [N, G]
+    step = d.float()
+    codes = groups.div(torch.where(step == 0, 1.0, step)[..., None]).round_().clamp_(-127, 127).add_(128)
+    codes = codes.to(torch.uint8)
+    tiles, num_groups = weight.shape[0] // 16, groups.shape[1]
+    # input 32g + 4c + i of row 16t + j -> chunk (t, g, c), byte 4j + i
+    codes = codes.view(tiles, 16, num_groups, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, C, j, i]
+    return codes.reshape(tiles, num_groups, 512).contiguous(), _tile_scales(d, d * -128)
+
+
+def _groups_of(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    if out_features % 16 or in_features % 32:
+        raise ValueError(f"the q4q8 kernel needs out_features ({out_features}) a multiple of 16 and "
+                         f"in_features ({in_features}) of 32")
+    return weight.detach().float().reshape(out_features, in_features // 32, 32)
+
+
+def _tile_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    tiles, num_groups = d.shape[0] // 16, d.shape[1]
+    per_tile = [x.view(tiles, 16, num_groups).transpose(1, 2) for x in (d, m)]  # [T, G, 16]
+    return torch.cat(per_tile, -1).contiguous()
 
 
 def _int4_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,8 +244,11 @@ class DynamicInt8Linear(_WeightOnlyLinear):
 
 
 class Int8RescoredHead(nn.Module):
-    """Output head: a cheap pass ranks the vocabulary, then each row's ``num_exact`` best
-    logits are recomputed exactly from the float weights.
+    """Output head on 8-bit weights. Where the q4q8 kernel is (AVX-512 VNNI), its 8-bit format
+    (GGUF's Q8_0, groups of 32, times 15-bit activations) is the head: its logits are within ~0.01
+    of the float ones (SmolLM2: KL 1e-7), at 2 threads ~2x fbgemm's. Elsewhere a cheap pass
+    ranks the vocabulary, then each row's ``num_exact`` best logits are recomputed exactly from
+    the float weights:
 
     A float32 head reads 4 bytes per weight every token (113 MB for SmolLM2's 49152 x 576,
     the largest read of a decode step). The cheap pass is fbgemm's dynamic int8 matmul
@@ -211,9 +278,15 @@ class Int8RescoredHead(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         is_cheaper = dense_dtype is not None and dense_dtype.itemsize < weight.dtype.itemsize
         self.register_buffer("dense", weight.detach().to(dense_dtype) if is_cheaper else None, persistent=False)
-        self.packed = int8_dynamic.pack(weight) if int8_dynamic.available() else None
+        # 8-bit weights per group of 32 x 15-bit activations (the q4q8 kernel): precise enough to need
+        # no rescoring (SmolLM2: logits within 0.01, KL 1e-7); else fbgemm's dynamic int8 or int8pack, rescored
+        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.out_features % 16 == 0 and self.in_features % 32 == 0 and extension.has_q4q8():
+            self.q8 = pack_q8(weight)
+            self.dense = None  # the q8 head serves every row count a dense copy would
+        self.packed = int8_dynamic.pack(weight) if self.q8 is None and int8_dynamic.available() else None
         self.smooth: torch.Tensor | None = None  # [H] divisor of the cheap pass's input; see calibrate
-        if self.packed is None:
+        if self.q8 is None and self.packed is None:
             w = weight.detach().float()
             scale = (w.abs().amax(-1) / 127).clamp(min=1e-8).to(torch.bfloat16)  # [V]
             codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
@@ -223,6 +296,9 @@ class Int8RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.weight.dtype)  # [M, H]
         num_rows, dense = rows.shape[0], self.dense
+        if self.q8 is not None and num_rows <= MAX_RESCORED_ROWS:
+            logits = extension.q4q8_matmul(rows.float(), *self.q8).view(*x.shape[:-1], self.out_features)
+            return logits if self.bias is None else logits + self.bias
         if self.packed is not None and num_rows <= MAX_RESCORED_ROWS:
             # the kernel quantizes its whole input with one scale: give every row the same range
             rows32 = rows.float() if self.smooth is None else rows.float() / self.smooth
@@ -270,7 +346,7 @@ class Int8RescoredHead(nn.Module):
 
 def quantize_model(
     model: nn.Module, mode: QuantMode, *, head: HeadMode | None = None, group_size: int = 32,
-    dense_dtype: torch.dtype | None = None,
+    dense_dtype: torch.dtype | None = None, int4_kernel: Literal["q4q8", "int4pack"] | None = None,
 ) -> int:
     """Replace the model's projections with weight-only quantized layers.
 
@@ -282,7 +358,8 @@ def quantize_model(
     than ``DENSE_ABOVE_ROWS`` rows (prefill) use the float weights in ``dense_dtype``:
     float32 keeps prefill exact, bfloat16 makes it ~3x faster end to end on CPUs with AMX
     or AVX512-BF16 (SmolLM2-135M: KL 3e-4 against float32); ``None`` picks bfloat16 where
-    :func:`~loopstack.engine.device.cpu_has_fast_bfloat16`, else float32.
+    :func:`~loopstack.engine.device.cpu_has_fast_bfloat16`, else float32. ``int4_kernel``
+    picks :class:`Int4Linear`'s format (``None``: q4q8 where it runs, else int4pack).
     Returns the number of layers replaced.
 
     Raises:
@@ -310,7 +387,7 @@ def quantize_model(
             return Int8Linear(linear_weight, bias, dense_dtype)
         if linear_weight.shape[1] % group_size:
             return None
-        return Int4Linear(linear_weight, bias, group_size, dense_dtype)
+        return Int4Linear(linear_weight, bias, group_size, dense_dtype, int4_kernel)
 
     replaced = 0
     for parent in list(model.modules()):

@@ -1,18 +1,18 @@
 // The decoder-layer loop of a decode step (one new token per sequence, or a few: a speculative
 // verification), in C++.
 //
-// Same ops, same order and dtypes as DecoderLayer.forward in model.py for a model whose
-// projections are weight-only int4 (quant.py, Int4Linear) fed bfloat16: only the Python
-// interpreter between the ~35 ATen calls of each layer is gone (~4 us each on this CPU).
-// See native_decode.py for when it is used.
+// Same ops, same order and dtypes as DecoderLayer.forward in llama.py for a model whose
+// projections are weight-only int4 on torch's kernel (quant.py, Int4Linear "int4pack") fed
+// bfloat16: only the Python interpreter between the ~35 ATen calls of each layer is gone (~4 us
+// each on this CPU). The q4q8 projections have a loop of their own (q4q8_decode.cpp). See
+// native_decode.py for when each is used.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <cmath>
+#include "attend_rows.h"
+#include "q4q8_matmul.h"
+
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -32,89 +32,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scaled_weight, const 
   return (x * scaled_weight).div_(at::linalg_vector_norm(x, 2, {-1}, /*keepdim=*/true).hypot_(eps_term));
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-#else
-  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) partial[j] += a[i + j] * b[i + j];
-  float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-#endif
-}
-
-void axpy(float w, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 wv = _mm512_set1_ps(w);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += w * x[i];
-}
-
 }  // namespace
 
 // Single-query attention of every (row, head), each alone over exactly its row's context with
 // its own fixed order of operations: a row's output is the same bits whatever else is in the
-// batch (see native_decode.py). Work is split by (row, head). q: [B, H, D] float32 (any row stride); kv: this layer's [2, num_slots, Hkv, D] float32
-// cache; returns [B, H * D].
+// batch (see native_decode.py). Work is split by (row, head). q: [B, H, D] float32 (any row
+// stride); kv: this layer's [2, num_slots, Hkv, D] float32 cache; returns [B, H * D].
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
                        const std::vector<int64_t>& row_context_lens, const std::vector<int64_t>& query_lens,
                        int64_t contiguous_start, int64_t block_size, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat, "float32 queries and cache");
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv.size(2), group = num_heads / num_kv_heads;
-  const int64_t num_seqs = static_cast<int64_t>(query_lens.size());
-  TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && q.stride(1) == head_dim, "unexpected layouts");
-  std::vector<int64_t> first_row(num_seqs + 1, 0);
-  for (int64_t s = 0; s < num_seqs; ++s) first_row[s + 1] = first_row[s] + query_lens[s];
-  TORCH_CHECK(first_row[num_seqs] == batch, "query_lens must add up to the rows");
+  const int64_t batch = q.size(0), num_seqs = static_cast<int64_t>(query_lens.size());
+  TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && q.stride(1) == q.size(2), "unexpected layouts");
+  std::vector<int64_t> row_seq;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) row_seq.insert(row_seq.end(), query_lens[seq], seq);
+  TORCH_CHECK(static_cast<int64_t>(row_seq.size()) == batch, "query_lens must add up to the rows");
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t table_width = tables.size(1);
-  const float* q_data = q.data_ptr<float>();
-  const int64_t q_row_stride = q.stride(0);
-  const float* k_data = kv.select(0, 0).data_ptr<float>();
-  const float* v_data = kv.select(0, 1).data_ptr<float>();
-  const int64_t slot_stride = num_kv_heads * head_dim;
-  at::Tensor out = at::zeros({batch, num_heads * head_dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  float* out_data = out.data_ptr<float>();
-  const float softmax_scale = static_cast<float>(scale);
-  std::vector<int64_t> row_seq(batch);
-  for (int64_t seq = 0; seq < num_seqs; ++seq)
-    for (int64_t row = first_row[seq]; row < first_row[seq + 1]; ++row) row_seq[row] = seq;
-  at::parallel_for(0, batch * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / num_heads, head = item % num_heads, kv_head = head / group;
-      const int64_t length = row_context_lens[row];
-      const int64_t* blocks = table + row_seq[row] * table_width;
-      auto slot_of = [&](int64_t p) {
-        return contiguous_start >= 0 ? contiguous_start + p : blocks[p / block_size] * block_size + p % block_size;
-      };
-      const float* query = q_data + row * q_row_stride + head * head_dim;
-      scores.resize(length);
-      float top = -INFINITY;
-      for (int64_t p = 0; p < length; ++p) {
-        scores[p] = dot(query, k_data + slot_of(p) * slot_stride + kv_head * head_dim, head_dim) * softmax_scale;
-        top = scores[p] > top ? scores[p] : top;
-      }
-      float total = 0;
-      for (int64_t p = 0; p < length; ++p) total += (scores[p] = std::exp(scores[p] - top));
-      float* result = out_data + row * num_heads * head_dim + head * head_dim;
-      for (int64_t p = 0; p < length; ++p) axpy(scores[p], v_data + slot_of(p) * slot_stride + kv_head * head_dim, result, head_dim);
-      const float inverse = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
-    }
-  });
+  const AttendShape shape{batch, q.size(1), kv.size(2), q.size(2), block_size, tables.size(1), contiguous_start,
+                          static_cast<float>(scale)};
+  at::Tensor out = at::empty({batch, q.size(1) * q.size(2)}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  attend_rows_raw(shape, q.data_ptr<float>(), q.stride(0), kv.select(0, 0).data_ptr<float>(),
+                  kv.select(0, 1).data_ptr<float>(), tables.data_ptr<int64_t>(), row_seq, row_context_lens,
+                  out.data_ptr<float>());
   return out;
 }
 
@@ -170,7 +109,17 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
   return hidden;
 }
 
+at::Tensor decode_layers_q4q8(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& kv_slots, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const std::vector<int64_t>& row_context_lens,
+                              int64_t contiguous_start, const std::vector<at::Tensor>& layer_weights,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              double scale, const std::vector<int64_t>& query_lens);  // q4q8_decode.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "the decoder layers of one decode step (see decode_layers.cpp)");
+  m.def("decode_layers_q4q8", &decode_layers_q4q8, "the same for q4q8 projections (see q4q8_decode.cpp)");
   m.def("attend_rows", &attend_rows, "single-query attention of every row over its own context (tests)");
+  m.def("q4q8_matmul", &q4q8_matmul, "4-bit weights x rows quantized to 8 bits (see q4q8_matmul.cpp)");
+  m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs the AVX-512 VNNI kernel");
 }

@@ -1,0 +1,35 @@
+// 4-bit weights times activations quantized to 8 bits on the fly: the integer dot product a
+// decode step on a CPU with AVX-512 VNNI reads the fewest bytes with (see q4q8_matmul.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// Input rows quantized per group of 32 to two int8 digits: codes [M, K / 32, 2, 32] (a group's
+// high digits, then its low ones) and, per group of each row, (s, sum(x)) with
+// x ~ (high * 128 + low) * s.
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  int64_t rows = 0, k = 0;
+};
+
+// Quantize x [m, k] (row-major floats, k a multiple of 32) into q (its buffers reused).
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& q);
+
+// out [q.rows, n] (row-major) = q's rows times n weight rows of 4- or 8-bit codes (packed, dm as
+// below); parallel over tiles of 16 weight rows.
+void q4q8_gemm(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
+               int bits = 4);
+
+// rows: [M, K] float32 or bfloat16. packed: uint8 [N / 16, K / 32, 256] (4-bit codes) or
+// [N / 16, K / 32, 512] (8-bit), dm: float16 [N / 16, K / 32, 32], from quant.py's pack_q4 or
+// pack_q8 (weights code * d + m, groups of 32 inputs).
+// Returns [M, N] in the rows' dtype; each output row depends on its input row alone (the same
+// bits in any batch).
+at::Tensor q4q8_matmul(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& dm);
+
+// Whether q4q8_matmul runs the AVX-512 VNNI kernel (else a scalar loop, correct but slow).
+bool q4q8_is_vectorized();

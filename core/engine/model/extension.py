@@ -1,0 +1,60 @@
+"""The engine's C++ kernels (``csrc/``), compiled with torch's ``cpp_extension`` on first use.
+
+Two kernels live there: the decode step's layer loop (``decode_layers.cpp``, see
+:mod:`~loopstack.engine.model.native_decode`) and the 4-bit x 8-bit integer matmul its int4
+projections run on (``q4q8_matmul.cpp``, see :class:`~loopstack.engine.model.quant.Int4Linear`).
+The build needs a C++ compiler and ninja; it takes about a minute once and is cached by torch
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). If it fails, the engine logs
+why once and keeps torch's kernels and the Python layers. ``LOOPSTACK_NATIVE_DECODE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SOURCES", "has_q4q8", "load_extension", "q4q8_matmul"]
+
+log = logging.getLogger("loopstack.engine")
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp"))
+# bump with any change to csrc/: torch caches builds by name
+_NAME = "loopstack_kernels_v16"
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """The compiled extension, or ``None`` (turned off, or the build failed: logged once)."""
+    if os.environ.get("LOOPSTACK_NATIVE_DECODE", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=_NAME, sources=[str(s) for s in SOURCES], extra_include_paths=[str(_CSRC)],
+                    # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers, serial without it
+                    extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a failed build: torch's kernels still work
+        log.warning("native kernels unavailable (%s: %s); decode uses torch's kernels and the Python layers",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def has_q4q8() -> bool:
+    """Whether the 4-bit x 8-bit integer matmul is here and vectorized (AVX-512 VNNI)."""
+    extension = load_extension()
+    return extension is not None and bool(extension.q4q8_is_vectorized())
+
+
+def q4q8_matmul(rows: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[M, K]`` times 4-bit weights in :func:`~loopstack.engine.model.quant.pack_q4`'s
+    format, rows quantized to 8 bits per group of 32; ``[M, N]`` in the rows' dtype."""
+    extension = load_extension()
+    if extension is None:
+        raise RuntimeError("the q4q8 kernel needs the engine's C++ extension, which is unavailable")
+    out: torch.Tensor = extension.q4q8_matmul(rows, packed, dm)
+    return out
