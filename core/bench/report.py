@@ -18,10 +18,17 @@ def _fmt(value: float | None) -> str:
 def format_table(result: BenchResult) -> str:
     """A fixed-width table: metric, one column per stack/backend, then the ratio."""
     ratio_head = f"ratio {result.columns[-1]}/{result.columns[0]}" if len(result.columns) > 1 else "ratio"
-    header = ["metric", *result.columns, ratio_head]
+    if result.pair_ratios:  # the workload's own pairs replace the default last-over-first
+        header = ["metric", *result.columns, *result.pair_ratios]
+    else:
+        header = ["metric", *result.columns, ratio_head]
     rows = [header]
     for metric, per_column in result.metrics.items():
-        rows.append([metric, *(_fmt(per_column.get(c)) for c in result.columns), _fmt(result.ratios.get(metric))])
+        figures = [_fmt(per_column.get(c)) for c in result.columns]
+        if result.pair_ratios:
+            rows.append([metric, *figures, *(_fmt(r.get(metric)) for r in result.pair_ratios.values())])
+        else:
+            rows.append([metric, *figures, _fmt(result.ratios.get(metric))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ class BenchResult:
     metrics: dict[str, dict[str, float]]
     ratios: dict[str, float | None]
     config: dict[str, Any]
+    # the workload's ratio_pairs: "a/b" -> metric -> a's figure over b's
+    pair_ratios: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -31,6 +33,7 @@ class BenchResult:
             "columns": self.columns,
             "metrics": self.metrics,
             "ratios": self.ratios,
+            "pair_ratios": self.pair_ratios,
             "config": self.config,
         }
 
@@ -56,9 +59,10 @@ async def run_bench(
     options = options or BenchOptions()
     steps = options.steps or (1 if options.quick else workload.default_steps)
     columns = workload.columns(stacks)
-    samples: dict[str, dict[str, list[float]]] = {c: {} for c in columns}
+    samples: dict[str, dict[str, list[float]]] = {}
     try:
-        await workload.setup(columns, stacks, options)
+        await workload.setup(columns, stacks, options)  # it may narrow columns (an option picks some)
+        samples.update({c: {} for c in columns})
         bar = tqdm(total=steps * len(columns), desc=f"bench {workload.name}", unit="step", disable=not progress)
         with bar:
             for index in range(steps):
@@ -74,6 +78,10 @@ async def run_bench(
         m: {c: workload.aggregate(m, samples[c][m]) for c in columns if m in samples[c]} for m in names
     }
     ratios = {m: _ratio(metrics[m].get(columns[0]), metrics[m].get(columns[-1])) for m in names}
+    pair_ratios = {
+        f"{a}/{b}": {m: _ratio(metrics[m].get(b), metrics[m].get(a)) for m in names}
+        for a, b in workload.ratio_pairs(columns)
+    }
     config = {
         "steps": steps,
         "quick": options.quick,
@@ -83,4 +91,4 @@ async def run_bench(
         "cpus": os.cpu_count(),
         **workload.config(),
     }
-    return BenchResult(workload.name, columns, metrics, ratios, config)
+    return BenchResult(workload.name, columns, metrics, ratios, config, pair_ratios)

@@ -53,7 +53,8 @@ class Workload(ABC):
         return names
 
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
-        """Prepare every column (load models, start servers). Called once."""
+        """Prepare every column (load models, start servers). Called once. It may narrow
+        ``columns`` in place (say, to the ones an option picks); the run measures what is left."""
 
     @abstractmethod
     async def step(self, column: str, index: int) -> dict[str, float]:
@@ -61,6 +62,11 @@ class Workload(ABC):
 
     async def teardown(self) -> None:
         """Release what setup made. Called once, even after a failure."""
+
+    def ratio_pairs(self, columns: list[str]) -> list[tuple[str, str]]:
+        """Extra ratios to report, as (numerator, denominator) columns: ``numerator/denominator``
+        per metric, beside the default last-over-first. Default: none."""
+        return []
 
     def aggregate(self, metric: str, values: list[float]) -> float:
         """Combine a metric's per-step values (default: mean)."""

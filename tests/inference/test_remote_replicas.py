@@ -11,19 +11,19 @@ import httpx
 import pytest
 
 from loopstack import PluginCatalog, StackLoader, StackRuntime
-from loopstack.engine.loaders import resolve_model_path
-from loopstack.engine.sampling_params import SamplingParams
-from loopstack.engine.sequence import FinishReason
-from loopstack.inference.fleet import RemoteSpec, start_remote_router
-from loopstack.inference.router import RouterOptions
-from loopstack.inference.types import RouteHints
-from loopstack.plugins.cache_routing.bench.servers import (
+from loopstack.bench.servers import (
     free_port,
     llama_cpp_available,
     start_llama_cpp,
     start_vllm,
     vllm_python,
 )
+from loopstack.engine.loaders import resolve_model_path
+from loopstack.engine.sampling_params import SamplingParams
+from loopstack.engine.sequence import FinishReason
+from loopstack.inference.fleet import RemoteSpec, start_remote_router
+from loopstack.inference.router import RouterOptions
+from loopstack.inference.types import RouteHints
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""The three backends the ``engine`` workload compares, behind one small interface."""
+"""The three in-process backends the ``engine`` workload compares, behind one small interface;
+each runs in a process of its own (engine_worker.py)."""
 
 from __future__ import annotations
 
@@ -112,11 +113,11 @@ class LlamaCppBackend:
 
     supports_batch = False
 
-    def __init__(self, gguf_path: Any) -> None:
+    def __init__(self, gguf_path: Any, threads: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_batch=512, n_threads=torch.get_num_threads(),
-                         verbose=False)
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_batch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
 
     def reset_cache(self) -> None:
         self.llm.reset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,33 @@ def _token_ids_cached(tokenizer_id: int, tokenizer: Any, data_dir: Path) -> tupl
 
 def _token_ids(tokenizer: Any, data_dir: Path) -> list[int]:
     return list(_token_ids_cached(id(tokenizer), tokenizer, data_dir))
+
+
+ESSAY_TOPICS = ("the printing press", "steam engines", "the history of maps", "bread baking", "lighthouses",
+                "the postal service", "glass making", "clocks and calendars")
+
+
+@dataclass(frozen=True)
+class EnginePrompts:
+    """One round of the engine bench: token ids for the in-process backends, texts for the servers.
+
+    ``prefill``: a long prompt (prefill tok/s); ``batch``: same-length prompts decoded together
+    (the first alone is batch 1); ``ttft``: a prompt timed cold, then again with its prefix cached.
+    ``*_text``: the same as chat messages for the servers (``essays`` ask for long answers, so
+    every stream decodes ``decode_tokens`` before the model would stop).
+    """
+
+    prefill: list[int]
+    batch: list[list[int]]
+    ttft: list[int]
+    decode_tokens: int
+    prefill_text: str = ""
+    ttft_text: str = ""
+    essays: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EnginePrompts:
+        return cls(**{**data, "essays": tuple(data.get("essays", ()))})

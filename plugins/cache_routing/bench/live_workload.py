@@ -165,8 +165,8 @@ class RemoteRoutingWorkload(Workload):
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         import tempfile
 
+        from loopstack.bench.servers import llama_cpp_available
         from loopstack.engine.loaders import load_tokenizer
-        from loopstack.plugins.cache_routing.bench.servers import llama_cpp_available
 
         if not llama_cpp_available():
             raise BenchOptionError("routing-remote needs llama.cpp's server: run `make bench-deps`")
@@ -209,7 +209,7 @@ class RemoteRoutingWorkload(Workload):
     async def _vllm_router(self, policy: str) -> dict[str, float]:
         import httpx
 
-        from loopstack.plugins.cache_routing.bench.servers import free_port
+        from loopstack.bench.servers import free_port
 
         port = free_port()
         command = [str(_vllm_router()), "--worker-urls", *(s.url for s in self._servers), "--policy", policy,
@@ -242,8 +242,8 @@ class RemoteRoutingWorkload(Workload):
                 process.kill()
 
     def _restart_servers(self) -> None:
+        from loopstack.bench.servers import start_llama_cpp
         from loopstack.engine.loaders import resolve_model_path
-        from loopstack.plugins.cache_routing.bench.servers import start_llama_cpp
 
         for server in self._servers:
             server.stop()

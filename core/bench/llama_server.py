@@ -1,7 +1,7 @@
 """llama-cpp-python's OpenAI-compatible server, with the ``GET /health`` that llama.cpp's own C++
 ``llama-server`` has and llama-cpp-python's app lacks (vllm-router waits for it before routing).
 
-``python -m loopstack.plugins.cache_routing.bench.llama_server --model M.gguf --port P ...`` takes
+``python -m loopstack.bench.llama_server --model M.gguf --port P ...`` takes
 llama-cpp-python's own server arguments; everything else is its app unchanged.
 """
 
