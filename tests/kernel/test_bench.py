@@ -9,6 +9,7 @@ import pytest
 from loopstack import StackLoader
 from loopstack.bench import BenchOptions, Workload, run_bench
 from loopstack.bench.registry import workloads
+from loopstack.bench.report import format_table
 from loopstack.cli.main import main
 
 
@@ -36,8 +37,22 @@ def test_runner_alternates_and_computes_ratios(catalog, write_stack):
     assert result.ratios["value"] == 2.0
     assert result.ratios["only_first"] is None  # missing in the last column: no ratio
     payload = result.to_json()
-    assert set(payload) == {"workload", "columns", "metrics", "ratios", "config"}
-    assert payload["config"]["steps"] == 4
+    assert set(payload) == {"workload", "columns", "metrics", "ratios", "pair_ratios", "config"}
+    assert payload["config"]["steps"] == 4 and payload["pair_ratios"] == {}
+
+
+def test_a_workloads_own_ratio_pairs_are_computed_and_printed(catalog, write_stack):
+    class Paired(OrderRecorder):
+        def ratio_pairs(self, columns):
+            return [("second", "first")]
+
+    loader = StackLoader(catalog)
+    stacks = [loader.load(write_stack("first", "")), loader.load(write_stack("second", ""))]
+    result = anyio.run(lambda: run_bench(Paired(), stacks, BenchOptions(steps=2), progress=False))
+    assert result.pair_ratios == {"second/first": {"only_first": None, "only_second": None, "value": 2.0}}
+    lines = format_table(result).splitlines()  # "workload: ...", the header, a rule, the metrics
+    assert lines[1].split()[-1] == "second/first"
+    assert next(line for line in lines if line.startswith("value")).split()[-1] == "2"
 
 
 def test_same_stack_twice_gets_unique_columns(catalog):
