@@ -22,9 +22,10 @@ __all__ = ["SOURCES", "has_q4q8", "load_extension", "q4q8_matmul"]
 
 log = logging.getLogger("loopstack.engine")
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp"))
+SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp",
+                                              "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v16"
+_NAME = "loopstack_kernels_v19"
 
 
 @functools.cache
@@ -36,7 +37,7 @@ def load_extension() -> Any | None:
         from torch.utils.cpp_extension import load
 
         return load(name=_NAME, sources=[str(s) for s in SOURCES], extra_include_paths=[str(_CSRC)],
-                    # -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers, serial without it
+                    # -fopenmp: torch's headers' parallel helpers are OpenMP pragmas (the kernels use spin_pool.cpp)
                     extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: torch's kernels still work
         log.warning("native kernels unavailable (%s: %s); decode uses torch's kernels and the Python layers",

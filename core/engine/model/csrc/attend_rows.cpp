@@ -3,7 +3,7 @@
 
 #include "vec_exp.h"
 
-#include <ATen/Parallel.h>
+#include "spin_pool.h"
 
 #include <cmath>
 
@@ -39,7 +39,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
                      const int64_t* table, const std::vector<int64_t>& row_seq,
                      const std::vector<int64_t>& row_context_lens, float* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, slot_stride = s.num_kv_heads * s.head_dim;
-  at::parallel_for(0, s.batch * s.num_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(s.batch * s.num_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / s.num_heads, head = item % s.num_heads, kv_head = head / group;

@@ -4,7 +4,7 @@
 // The math of DecoderLayer.forward in llama.py with float32 activations, written as plain loops
 // over preallocated buffers: RMSNorm straight into the 8-bit codes the projection reads, rotary
 // on the q and k heads, the K/V write, attention (attend_rows.cpp), SwiGLU. Only the matmuls and
-// attention split work across threads (at::parallel_for); the rest is a few thousand floats per
+// attention split work across threads (spin_pool.cpp); the rest is a few thousand floats per
 // row. No ATen op runs between the layers: at ~4 us each, the ~20 per layer of decode_layers.cpp
 // were a quarter of a SmolLM2-135M step on 2 cores. See native_decode.py for when it is used.
 #include <torch/extension.h>

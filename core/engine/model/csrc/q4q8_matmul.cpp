@@ -23,7 +23,7 @@
 // 16t + j's code of input 32g + 4c + i.
 #include "q4q8_matmul.h"
 
-#include <ATen/Parallel.h>
+#include "spin_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -187,7 +187,7 @@ void q4q8_gemm(const QuantizedRows& q, const uint8_t* w, const at::Half* scales,
   TORCH_CHECK(n % kTile == 0 && k % kGroup == 0, "q4q8: N must be a multiple of 16 and K of 32");
   TORCH_CHECK(bits == 4 || bits == 8, "q4q8: 4- or 8-bit codes");
   const int64_t tile_bytes = groups * kTile * kGroup * bits / 8;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+  parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
       const at::Half* dt = scales + t * groups * 32;
