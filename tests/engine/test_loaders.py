@@ -27,6 +27,7 @@ from loopstack.engine.loaders.gguf_loader import (
 )
 from loopstack.engine.loaders.safetensors_loader import save_hf_directory
 from loopstack.engine.model.attention import AttentionMetadata
+from loopstack.engine.model.extension import has_q4q8
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model.quant import CALIBRATION_TEXT, Int4Linear, calibrate_head, quantize_model
 from tests.engine.hf_reference import gguf_writer, write_gguf_tensors
@@ -303,7 +304,9 @@ def test_int4_default_model_logits_stay_close_to_float(default_model, quantized,
             rows.append(model(torch.tensor(chunk), meta.positions(), cache, meta, indices))
     actual = torch.cat(rows).log_softmax(-1)
     kl = (expected.exp() * (expected - actual)).sum(-1).mean().item()
-    assert kl < 2e-3, kl  # measured 3e-4 to 5e-4; a bfloat16 model is ~1.4e-3
+    # q4q8 reproduces the Q4_1 weights and keeps 15-bit activations: measured 1e-6 to 5e-6 (torch's
+    # int4pack, bfloat16 scales and activations: 3e-4 to 5e-4; a bfloat16 model ~1.4e-3)
+    assert kl < (1e-4 if has_q4q8() else 2e-3), kl
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
 
 
