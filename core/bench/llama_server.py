@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import cast
 
 
 def main() -> None:
@@ -20,8 +21,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_args_from_model(parser, Settings)
     args = parser.parse_args()
-    server_settings = parse_model_from_args(ServerSettings, args)
-    app = create_app(server_settings=server_settings, model_settings=[parse_model_from_args(ModelSettings, args)])
+    # parse_model_from_args is annotated as returning its argument's type (a class); it returns an instance
+    server_settings = cast(ServerSettings, parse_model_from_args(ServerSettings, args))
+    model_settings = cast(ModelSettings, parse_model_from_args(ModelSettings, args))
+    app = create_app(server_settings=server_settings, model_settings=[model_settings])
 
     @app.get("/health")
     def health() -> dict[str, str]:
