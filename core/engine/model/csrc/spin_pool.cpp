@@ -105,6 +105,7 @@ class SpinPool {
 
 std::mutex pool_mutex;  // one parallel section at a time; guards the pool's (re)creation
 std::unique_ptr<SpinPool> pool;
+pid_t pool_pid = 0;  // a forked child has the pool's object but none of its threads
 
 }  // namespace
 
@@ -121,7 +122,8 @@ void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t,
     task(0, n);
     return;
   }
-  if (!pool || pool->size() != threads) pool = std::make_unique<SpinPool>(threads - 1);
+  if (pool && pool_pid != getpid()) (void)pool.release();  // its threads are the parent's: leave them be
+  if (!pool || pool->size() != threads) pool = std::make_unique<SpinPool>(threads - 1), pool_pid = getpid();
   const int64_t per_chunk = (n + num_chunks - 1) / num_chunks;
   pool->run(num_chunks, [&](int64_t i) { task(i * per_chunk, std::min(n, (i + 1) * per_chunk)); });
 }
