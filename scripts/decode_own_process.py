@@ -1,7 +1,8 @@
 """Batch-1 greedy decode tok/s of loopstack's engine and of llama.cpp (llama-cpp-python, from
 `make bench-deps`), each in a process of its own with 2 threads, on the same GGUF, alternating.
 
-A stopgap for the engine bench, whose llama.cpp column runs inside the bench's process (issue 25):
+A quick batch-1 check (the engine bench, `loopstack bench -w engine`, measures every backend in a
+process of its own, and both servers over HTTP):
     .venv/bin/python scripts/decode_own_process.py gemma3-270m --rounds 2
 """
 
