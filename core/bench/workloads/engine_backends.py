@@ -10,7 +10,6 @@ from typing import Any, Protocol
 import torch
 
 from loopstack.api.server import engine_from_table
-from loopstack.engine.loaders import load_model, resolve_model_path
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.stack.schema import EngineTable
 
@@ -29,12 +28,8 @@ class LoopstackBackend:
 
     def __init__(self, config: EngineTable) -> None:
         self.config = config
-        self.model_path = resolve_model_path(config.model)
         self.engine = engine_from_table(config)
         self.tokenizer = self.engine.tokenizer
-
-    def float_model(self) -> Any:
-        return load_model(self.config.model, device="cpu", dtype="float32").model
 
     def describe(self) -> dict[str, Any]:
         return {"dtype": str(self.engine.model.dtype), "quantization": getattr(self.engine, "quantization", "none")}

@@ -1,9 +1,10 @@
 """The engine's C++ kernels (``csrc/``), compiled with torch's ``cpp_extension`` on first use.
 
-Two kernels live there: the decode step's layer loop (``decode_layers.cpp``, see
-:mod:`~loopstack.engine.model.native_decode`) and the 4-bit x 8-bit integer matmul its int4
-projections run on (``q4q8_matmul.cpp``, see :class:`~loopstack.engine.model.quant.Int4Linear`).
-The build needs a C++ compiler and ninja; it takes about a minute once and is cached by torch
+Two kinds of kernel live there: the decode step's layer loops (``q4q8_decode.cpp``,
+``decode_layers.cpp``; see :mod:`~loopstack.engine.model.native_decode`) and the integer matmul
+of 4- or 8-bit weights and two-digit int8 activations that the int4 projections and the head run
+on (``q4q8_matmul.cpp``; see :class:`~loopstack.engine.model.quant.Int4Linear`). They release the
+GIL while they run. The build needs a C++ compiler and ninja; it takes about two minutes once and is cached by torch
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). If it fails, the engine logs
 why once and keeps torch's kernels and the Python layers. ``LOOPSTACK_NATIVE_DECODE=0`` turns it off.
 """
@@ -25,7 +26,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp",
                                               "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v20"
+_NAME = "loopstack_kernels_v21"
 
 
 @functools.cache
@@ -46,14 +47,15 @@ def load_extension() -> Any | None:
 
 
 def has_q4q8() -> bool:
-    """Whether the 4-bit x 8-bit integer matmul is here and vectorized (AVX-512 VNNI)."""
+    """Whether the q4q8 matmul is here and vectorized (AVX-512 VNNI)."""
     extension = load_extension()
     return extension is not None and bool(extension.q4q8_is_vectorized())
 
 
 def q4q8_matmul(rows: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[M, K]`` times 4-bit weights in :func:`~loopstack.engine.model.quant.pack_q4`'s
-    format, rows quantized to 8 bits per group of 32; ``[M, N]`` in the rows' dtype."""
+    """``rows`` ``[M, K]`` times weights in :func:`~loopstack.engine.model.quant.pack_q4`'s or
+    :func:`~loopstack.engine.model.quant.pack_q8`'s format, the rows quantized per group of 32 to
+    two int8 digits; ``[M, N]`` in the rows' dtype."""
     extension = load_extension()
     if extension is None:
         raise RuntimeError("the q4q8 kernel needs the engine's C++ extension, which is unavailable")

@@ -2,10 +2,10 @@
 
 A decode step of SmolLM2-135M runs ~35 ATen ops in each of 30 layers; from Python each
 costs ~4-8 us of interpreter and binding overhead on top of its kernel, a third of the
-step on 2 cores. The extension runs the same ops in the same order from C++ (what CUDA
-graphs do for a GPU engine, without capturing anything), so its logits equal the Python
-path's. It covers what CPU decode runs: a float32 residual stream with weight-only int4
-projections (``quant.quantize_model(model, "int4")``), one new token per sequence, up to ``DENSE_ABOVE_ROWS`` sequences, and speculative
+step on 2 cores. The extension runs the layers from C++ instead (what CUDA graphs do for a
+GPU engine, without capturing anything). It covers what CPU decode runs: a float32 residual stream with weight-only int4
+projections (``quant.quantize_model(model, "int4")``), one new token per sequence, up to
+``DENSE_ABOVE_ROWS`` sequences, and speculative
 verifications (a few new tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS``
 rows). Anything else (prefill, other quantizations, sliding windows, a GPU, architectures other
 than ``NATIVE_ARCHITECTURES``: Qwen3's and Gemma 3's q/k norms) takes the Python layers.

@@ -117,9 +117,12 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden, const at::Tensor& cos, const at
                               double scale, const std::vector<int64_t>& query_lens);  // q4q8_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "the decoder layers of one decode step (see decode_layers.cpp)");
-  m.def("decode_layers_q4q8", &decode_layers_q4q8, "the same for q4q8 projections (see q4q8_decode.cpp)");
-  m.def("attend_rows", &attend_rows, "single-query attention of every row over its own context (tests)");
-  m.def("q4q8_matmul", &q4q8_matmul, "4-bit weights x rows quantized to 8 bits (see q4q8_matmul.cpp)");
+  // the GIL is released while they run: the server's event loop streams tokens meanwhile
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_layers", &decode_layers, "the decoder layers of one decode step (see decode_layers.cpp)", no_gil);
+  m.def("decode_layers_q4q8", &decode_layers_q4q8, "the same for q4q8 projections (see q4q8_decode.cpp)", no_gil);
+  m.def("attend_rows", &attend_rows, "single-query attention of every row over its own context (tests)", no_gil);
+  m.def("q4q8_matmul", &q4q8_matmul, "4- or 8-bit weights x rows as two int8 digits (see q4q8_matmul.cpp)",
+        no_gil);
   m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs the AVX-512 VNNI kernel");
 }

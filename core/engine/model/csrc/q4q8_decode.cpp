@@ -30,7 +30,8 @@ struct Projection {
 
 Projection projection(const at::Tensor& packed, const at::Tensor& dm, const at::Tensor* bias = nullptr) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf && packed.dim() == 3 &&
-                  packed.is_contiguous() && dm.is_contiguous(), "q4q8 weights expected (uint8 codes, float16 scales)");
+                  packed.size(2) == 256 && packed.is_contiguous() && dm.is_contiguous(),
+              "4-bit q4q8 weights expected (uint8 codes [N/16, K/32, 256], float16 scales)");
   const bool has_bias = bias != nullptr && bias->defined() && bias->numel() > 0;
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous()), "float32 bias expected");
   return {packed.data_ptr<uint8_t>(), dm.data_ptr<at::Half>(), has_bias ? bias->data_ptr<float>() : nullptr,
