@@ -148,3 +148,32 @@ def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(3, 2, 16), k[:, :length], v[:, :length], scale=0.25).reshape(-1)
         torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48], ids=["vectorized-64", "generic-48"])
+def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim):
+    """Contexts longer than a span (256 positions) are attended span by span and merged; the
+    result is softmax attention, a row's bits do not depend on the batch, and a contiguous
+    sequence read in place gives the same bits as through its block table."""
+    ext = load_extension()
+    torch.manual_seed(0)
+    block_size, num_blocks = 16, 80
+    kv = torch.randn(2, num_blocks * block_size, 3, head_dim)
+    q = torch.randn(5, 9, head_dim)  # 9 query heads over 3 KV heads
+    lengths = [255, 256, 257, 700, 1030]
+    tables = torch.randperm(num_blocks).view(1, -1)
+    scale = head_dim ** -0.5
+    together = ext.attend_rows(q, kv, tables, lengths, [5], -1, block_size, scale)
+    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, block_size, scale)
+                       for j in range(5)])
+    assert torch.equal(together, alone)
+    blocks = kv.view(2, num_blocks, block_size, 3, head_dim)[:, tables[0]].reshape(2, -1, 3, head_dim)
+    k, v = blocks.transpose(1, 2)  # [Hkv, C, D]
+    for j, length in enumerate(lengths):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[j].view(3, 3, head_dim), k[:, :length], v[:, :length], scale=scale).reshape(-1)
+        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+    in_order = torch.arange(num_blocks).view(1, -1)
+    paged = ext.attend_rows(q[4:], kv, in_order, [1030], [1], -1, block_size, scale)
+    in_place = ext.attend_rows(q[4:], kv, in_order, [1030], [1], 0, block_size, scale)
+    assert torch.equal(paged, in_place)

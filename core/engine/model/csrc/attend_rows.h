@@ -14,7 +14,7 @@ struct AttendShape {
 
 // q: [batch, num_heads, head_dim] floats, q_row_stride apart; k, v: [num_slots, num_kv_heads,
 // head_dim] of one layer; table: [num_seqs, table_width] block ids; row_seq: each row's sequence;
-// out: [batch, num_heads * head_dim]. Work is split by (row, head), each with its own fixed order
+// out: [batch, num_heads * head_dim]. Work is split by (row, kv head, span of 256 positions), each with its own fixed order
 // of operations: a row's output is the same bits whatever else is in the batch.
 void attend_rows_raw(const AttendShape& shape, const float* q, int64_t q_row_stride, const float* k, const float* v,
                      const int64_t* table, const std::vector<int64_t>& row_seq,
