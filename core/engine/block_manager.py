@@ -17,6 +17,13 @@ within ``max_pinned_blocks``. A second tier (a :class:`~loopstack.engine.block_t
 K/V on the host behind the full-precision cache) receives evicted blocks and gives them back on a
 later hit: a prefix match continues into the tier where the primary cache misses.
 
+Partial hits (with a :class:`~loopstack.engine.block_types.BlockCopier` attached): where the match
+of full blocks ends, a cached block with the same parent whose first tokens continue the prompt
+lends them: their KV is copied into the new sequence's private block (copy-on-write) and only the
+rest is computed. A finished sequence's partial last block stays cached for this ("a tail", with
+no hash and no KV event: routers and the tier see full blocks only), so a prompt sent again
+computes its last token only, whatever its length.
+
 Scheduler loop: ``can_allocate`` -> ``allocate`` (prefill from ``num_cached_tokens``) ->
 ``mark_computed`` after each forward -> ``can_append`` / ``append_slots`` per decode step ->
 ``truncate`` on speculative rollback -> ``free``. Not thread-safe: one scheduler thread owns a
@@ -33,6 +40,7 @@ from typing import TypeAlias
 
 from loopstack.engine.block_types import (
     Allocation,
+    BlockCopier,
     BlockExport,
     BlockManagerError,
     BlockManagerStatistics,
@@ -57,6 +65,7 @@ from loopstack.engine.seams.kv_events import (
 
 __all__ = [
     "Allocation",
+    "BlockCopier",
     "BlockExport",
     "BlockManager",
     "BlockManagerError",
@@ -83,6 +92,7 @@ class _Block:
     hits: int = 0  # prefix hits served since it became a cache entry
     depth: int = 0  # index in its chain
     pins: int = 0  # live pins covering it
+    tail: bool = False  # a cached partial block: parent_hash, salt and token_ids say what it holds
 
 
 @dataclass(eq=False)
@@ -163,6 +173,9 @@ class BlockManager:
         self._counts: Counter[str] = Counter()
         self._policies_used: dict[str, None] = {}
         self._num_pinned_blocks = 0
+        self._copier: BlockCopier | None = None
+        # cache entries and tails by (parent hash, salt): where a partial hit looks
+        self._children: dict[tuple[bytes | None, bytes], dict[int, None]] = {}
 
     # -- scheduler API -----------------------------------------------------------------------------
 
@@ -188,10 +201,11 @@ class BlockManager:
     ) -> Allocation:
         """Give a new sequence blocks for its prompt, reusing the longest cached prefix.
 
-        Only cached blocks entirely within ``token_ids[:-1]`` are reused: the last prompt token is
-        always computed (the model needs its logits) into a private block, so ``num_cached_tokens``
-        is a multiple of ``block_size`` and at most ``len(token_ids) - 1``. ``max_cached_tokens``
-        lowers that limit (a request whose prefill must compute positions from there on).
+        Only cached tokens within ``token_ids[:-1]`` are reused: the last prompt token is always
+        computed (the model needs its logits) into a private block, so ``num_cached_tokens`` is at
+        most ``len(token_ids) - 1``: whole shared blocks, then (with a copier attached) the first
+        slots of one more block copied into a private one. ``max_cached_tokens`` lowers that limit
+        (a request whose prefill must compute positions from there on).
 
         Raises:
             OutOfBlocksError (nothing changes), DuplicateSequenceError, ValueError (empty prompt).
@@ -288,6 +302,7 @@ class BlockManager:
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence; its cache entries stay cached, its other blocks become free."""
         seq = self._get(seq_id)
+        self._keep_tail(seq)
         # tail first: the least reusable part of a prefix is then evicted first
         for block_id in reversed(seq.block_table):
             self._release(block_id, cold=seq.cold)
@@ -306,6 +321,9 @@ class BlockManager:
             self._policy.remove(block_id)
         for block_id in list(self._hash_to_block.values()):
             self._unregister(self._blocks[block_id])
+        for block_id in evictable:
+            if self._blocks[block_id].tail:
+                self._drop_tail(self._blocks[block_id])
         self._free.extend(evictable)
         self._free.extend(sorted(self._pinned_idle))
         self._pinned_idle.clear()
@@ -327,6 +345,10 @@ class BlockManager:
     @property
     def tier(self) -> TierStore | None:
         return self._tier
+
+    def attach_block_copier(self, copier: BlockCopier) -> None:
+        """Turn partial hits on: ``copier`` copies a block's first slots into another block."""
+        self._copier = copier
 
     def set_max_pinned_blocks(self, max_pinned_blocks: int) -> None:
         """Change the pin share; pins that end soonest are dropped until the pinned blocks fit."""
@@ -480,6 +502,8 @@ class BlockManager:
             num_tier_evictions=counts["tier_evictions"],
             num_tier_hit_tokens=counts["tier_hit_tokens"],
             num_tier_blocks=len(self._tier_index),
+            num_partial_hit_tokens=counts["partial_hit_tokens"],
+            num_tail_blocks=sum(1 for block_id in self._policy.order() if self._blocks[block_id].tail),
             tokens_by_policy=tuple((name, counts[f"{name}:queried_tokens"], counts[f"{name}:hit_tokens"])
                                    for name in self._policies_used),
         )
@@ -494,6 +518,7 @@ class BlockManager:
             hash_to_block=dict(self._hash_to_block),
             pinned_block_ids=tuple(sorted(self._pinned_idle)),
             tier_hashes={h: entry.slot for h, entry in self._tier_index.items()},
+            tail_block_ids=tuple(block.block_id for block in self._blocks if block.tail),
         )
 
     # -- internals ---------------------------------------------------------------------------------
@@ -569,6 +594,9 @@ class BlockManager:
         for block_id in match.block_ids:
             if block_id is not None:
                 self._take_back(self._blocks[block_id])
+        lender, num_lent = self._partial_match(token_ids, salt_bytes, max_cached_tokens, match)
+        if lender is not None:
+            self._take_back(lender)  # held while fresh blocks are found: it must not be evicted first
         # tier hits leave the tier's LRU while fresh blocks are found (an offload must not drop them)
         loads = [(h, e) for h, e in zip(match.hashes, match.tier_entries, strict=True) if e is not None]
         for block_hash, _ in loads:
@@ -590,6 +618,12 @@ class BlockManager:
         self._publish_stored(run)
         block_table += fresh[len(loads):]
         num_cached = len(match.hashes) * self.block_size
+        if lender is not None:
+            assert self._copier is not None
+            self._copier(lender.block_id, block_table[len(match.hashes)], num_lent)
+            self._release(lender.block_id)
+            num_cached += num_lent
+            self._counts["partial_hit_tokens"] += num_lent
         self._counts["tier_hit_tokens"] += len(loads) * self.block_size
         self._seqs[seq_id] = _Sequence(
             block_table, list(token_ids), salt_bytes, len(token_ids), num_cached, list(match.hashes),
@@ -618,9 +652,12 @@ class BlockManager:
             else:
                 block_id = self._policy.pop_victim()
                 block = self._blocks[block_id]
-                if self._tier is not None:
-                    self._offload(block)
-                evicted_hashes.append(self._unregister(block))
+                if block.tail:
+                    self._drop_tail(block)
+                else:
+                    if self._tier is not None:
+                        self._offload(block)
+                    evicted_hashes.append(self._unregister(block))
                 self._counts["evictions"] += 1
             self._blocks[block_id].ref_count = 1
             block_ids.append(block_id)
@@ -631,7 +668,7 @@ class BlockManager:
     def _release(self, block_id: int, *, cold: bool = False) -> None:
         block = self._blocks[block_id]
         block.ref_count -= 1
-        if block.ref_count == 0 and block.block_hash is None:
+        if block.ref_count == 0 and block.block_hash is None and not block.tail:
             self._free.append(block_id)
         elif block.ref_count == 0 and block.pins:
             self._pinned_idle.add(block_id)
@@ -647,6 +684,7 @@ class BlockManager:
         if block_hash is None:  # a bug in this class, not the caller's
             raise RuntimeError(f"block {block.block_id} is not a cache entry")
         del self._hash_to_block[block_hash]
+        self._unlink_child(block)
         if block.pins:  # its pins skip it from now on (they check the hash)
             block.pins = 0
             self._num_pinned_blocks -= 1
@@ -711,7 +749,81 @@ class BlockManager:
         self._hash_to_block[block_hash] = block.block_id
         block.block_hash, block.parent_hash, block.salt, block.token_ids = block_hash, entry.parent_hash, entry.salt, entry.token_ids
         block.depth, block.hits = entry.depth, 1
+        self._link_child(block)
         self._counts["tier_loads"] += 1
+
+    # -- partial hits (internals) -------------------------------------------------------------------
+
+    def _partial_match(
+        self, token_ids: Sequence[int], salt: bytes, max_tokens: int, match: _Match
+    ) -> tuple[_Block | None, int]:
+        """The cached block (entry or tail) after the matched full blocks whose first tokens go
+        furthest into ``token_ids[start:max_tokens]``, and how many; (None, 0) if none, or if
+        holding it while the sequence gets its blocks would not fit."""
+        start = len(match.hashes) * self.block_size
+        wanted = tuple(token_ids[start:max_tokens])
+        if self._copier is None or not wanted or not self.enable_prefix_caching:
+            return None, 0
+        parent = match.hashes[-1] if match.hashes else None
+        best, num_best = None, 0
+        for block_id in self._children.get((parent, salt), ()):
+            block = self._blocks[block_id]
+            common = _common_prefix(block.token_ids, wanted)
+            if common > num_best:
+                best, num_best = block, common
+        if best is None:
+            return None, 0
+        primary = [block_id for block_id in match.block_ids if block_id is not None]
+        held_from_pool = sum(1 for block_id in primary if block_id in self._policy) + (best.block_id in self._policy)
+        num_new_blocks = self._num_blocks_for(len(token_ids)) - len(primary)
+        if num_new_blocks > self._num_available() - held_from_pool:
+            return None, 0
+        return best, num_best
+
+    def _keep_tail(self, seq: _Sequence) -> None:
+        """Keep a freed sequence's computed partial last block cached as a tail (if a copier can
+        lend it later, it is private, and no cached block of the same parent holds its tokens)."""
+        num_in_tail = seq.num_computed_tokens % self.block_size
+        index = seq.num_computed_tokens // self.block_size
+        if self._copier is None or not self.enable_prefix_caching or num_in_tail == 0 or len(seq.block_hashes) != index:
+            return
+        block = self._blocks[seq.block_table[index]]
+        if block.ref_count != 1 or block.block_hash is not None or block.tail:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        tokens = tuple(seq.token_ids[index * self.block_size : seq.num_computed_tokens])
+        for block_id in self._children.get((parent, seq.salt), ()):
+            if self._blocks[block_id].token_ids[: len(tokens)] == tokens:
+                return  # held already
+        block.tail, block.parent_hash, block.salt, block.token_ids = True, parent, seq.salt, tokens
+        block.depth, block.hits = index, 0
+        self._drop_shorter_tails(block)
+        self._link_child(block)
+
+    def _drop_shorter_tails(self, block: _Block) -> None:
+        """Free the idle tails of ``block``'s parent whose tokens ``block`` holds too."""
+        for block_id in list(self._children.get((block.parent_hash, block.salt), ())):
+            other = self._blocks[block_id]
+            if other.tail and other.ref_count == 0 and block.token_ids[: len(other.token_ids)] == other.token_ids:
+                self._policy.remove(block_id)
+                self._drop_tail(other)
+                self._free.append(block_id)
+
+    def _drop_tail(self, block: _Block) -> None:
+        self._unlink_child(block)
+        block.tail, block.parent_hash, block.salt, block.token_ids = False, None, b"", ()
+        block.hits = block.depth = 0
+
+    def _link_child(self, block: _Block) -> None:
+        self._children.setdefault((block.parent_hash, block.salt), {})[block.block_id] = None
+
+    def _unlink_child(self, block: _Block) -> None:
+        key = (block.parent_hash, block.salt)
+        siblings = self._children.get(key)
+        if siblings is not None:
+            siblings.pop(block.block_id, None)
+            if not siblings:
+                del self._children[key]
 
     def _hash_full_blocks(self, seq: _Sequence) -> None:
         """Hash the newly full computed blocks; register them, publish each run of new entries."""
@@ -729,6 +841,8 @@ class BlockManager:
                 block.block_hash, block.parent_hash = block_hash, parent
                 block.salt, block.token_ids = seq.salt, block_tokens
                 block.depth, block.hits = index, 0
+                self._drop_shorter_tails(block)
+                self._link_child(block)
                 run.append(block)
             else:
                 self._publish_stored(run)
@@ -756,6 +870,15 @@ class BlockManager:
 def _reuse_limit(num_tokens: int, max_cached_tokens: int | None) -> int:
     limit = num_tokens - 1
     return limit if max_cached_tokens is None else max(0, min(limit, max_cached_tokens))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _salt_bytes(salt: Salt) -> bytes:

@@ -9,6 +9,7 @@ from loopstack.engine.errors import EngineError
 
 __all__ = [
     "Allocation",
+    "BlockCopier",
     "BlockExport",
     "BlockManagerError",
     "BlockManagerStatistics",
@@ -63,6 +64,13 @@ class BlockExport:
     salt: bytes
 
 
+class BlockCopier(Protocol):
+    """Copies the KV of a block's first ``num_tokens`` slots into another block (the model runner:
+    a partial prefix hit is copied into the new sequence's private block, then computed on)."""
+
+    def __call__(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None: ...
+
+
 class TierStore(Protocol):
     """Where evicted blocks' KV goes and comes back from (a second tier behind the KV cache).
 
@@ -90,6 +98,7 @@ class BlockPoolSnapshot:
     hash_to_block: dict[bytes, int]  # the prefix cache's index
     pinned_block_ids: tuple[int, ...] = ()  # unreferenced but held by a pin (not evictable)
     tier_hashes: dict[bytes, int] = field(default_factory=dict)  # second tier: content hash -> slot
+    tail_block_ids: tuple[int, ...] = ()  # cached partial blocks (no hash; in cached_block_ids too)
 
 
 class BlockManagerStatistics(NamedTuple):
@@ -120,6 +129,8 @@ class BlockManagerStatistics(NamedTuple):
     num_tier_evictions: int = 0  # tier entries dropped to make room in the tier
     num_tier_hit_tokens: int = 0
     num_tier_blocks: int = 0  # entries in the second tier now
+    num_partial_hit_tokens: int = 0  # hit tokens copied from a cached block's first slots (copy-on-write)
+    num_tail_blocks: int = 0  # cached partial last blocks of finished sequences (evictable)
     tokens_by_policy: tuple[tuple[str, int, int], ...] = ()  # (policy, queried tokens, hit tokens) while it ran
 
     @property

@@ -118,6 +118,7 @@ class LLMEngine:
             self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
+        self.block_manager.attach_block_copier(self.runner.copy_block_prefix)
         tier = make_tier(cache.tier, self.runner.kv_cache, cache.tier_blocks or num_blocks)
         if tier is not None:
             self.block_manager.attach_tier(tier)

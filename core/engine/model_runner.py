@@ -95,6 +95,13 @@ class ModelRunner:
         )
         return meta, input_ids
 
+    def copy_block_prefix(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None:
+        """Copy the KV of block ``src``'s first ``num_tokens`` slots into block ``dst`` (every
+        layer): the block manager's copier for partial prefix hits."""
+        if self.tier is not None:
+            self.tier.before_forward()  # a block the tier is still loading is read only after it lands
+        self.kv_cache[:, :, dst_block_id, :num_tokens] = self.kv_cache[:, :, src_block_id, :num_tokens]
+
     def export_kv(self, block_ids: Seq[int]) -> torch.Tensor:
         """KV of ``block_ids`` as ``[num_layers, 2, n, block_size, kv_heads, head_dim]`` on CPU."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)

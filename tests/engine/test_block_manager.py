@@ -273,6 +273,99 @@ def test_export_then_import_copies_only_what_the_receiver_lacks() -> None:
     assert decode.statistics().num_queried_tokens == 3  # only the warm-up allocate is a query
 
 
+# -- partial hits (copy-on-write) ---------------------------------------------------------------
+
+
+class _Copies:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None:
+        self.calls.append((src_block_id, dst_block_id, num_tokens))
+
+
+def _with_copier(num_blocks: int = 8, block_size: int = 4, **kwargs) -> tuple[BlockManager, _Copies]:
+    bm = BlockManager(num_blocks=num_blocks, block_size=block_size, **kwargs)
+    copies = _Copies()
+    bm.attach_block_copier(copies)
+    return bm, copies
+
+
+def test_the_same_prompt_again_computes_only_its_last_token() -> None:
+    """The first request's partial last block stays cached as a tail; the second copies its
+    first slots into a private block instead of recomputing them."""
+    events: list[KVCacheEvent] = []
+    bus = KVEventBus(buffer_size=0)
+    bus.subscribe(events.append)
+    bm, copies = _with_copier(event_bus=bus)
+    prompt = list(range(11))  # two full blocks and 3 tokens
+    _computed(bm, "a", prompt)
+    tail_block = bm.block_table("a")[2]
+    bm.free("a")
+    assert bm.statistics().num_tail_blocks == 1
+    assert [type(e) for e in events] == [BlockStored]  # the two full blocks only: a tail is no entry
+    again = bm.allocate("b", prompt)
+    assert again.num_cached_tokens == 10  # all but the last token
+    assert copies.calls == [(tail_block, again.block_table[2], 2)]
+    assert again.block_table[2] != tail_block  # the copy is private: the tail stays as it was
+    stats = bm.statistics()
+    assert stats.num_partial_hit_tokens == 2 and stats.num_hit_tokens == 10
+
+
+def test_a_full_cached_block_lends_its_first_slots_where_the_prompt_diverges() -> None:
+    bm, copies = _with_copier()
+    _computed(bm, "a", list(range(12)))  # three full blocks
+    bm.free("a")
+    hit = bm.allocate("b", list(range(10)) + [99, 98, 97])  # diverges two tokens into block 2
+    assert hit.num_cached_tokens == 10
+    assert copies.calls == [(2, hit.block_table[2], 2)]
+    assert bm.allocate("c", list(range(8)) + [50, 51]).num_cached_tokens == 8  # nothing in common after 8
+
+
+def test_tails_are_not_shared_across_salts_nor_kept_twice() -> None:
+    bm, copies = _with_copier()
+    prompt = list(range(7))
+    _computed(bm, "a", prompt, salt="tenant-1")
+    bm.free("a")
+    assert bm.allocate("b", prompt, salt="tenant-2").num_cached_tokens == 0 and not copies.calls
+    bm.free("b")
+    for i in range(3):  # the same prompt again and again: one tail holds it
+        _computed(bm, f"t{i}", prompt, salt="tenant-1")
+        bm.free(f"t{i}")
+    assert bm.statistics().num_tail_blocks == 1
+    longer = prompt + [7]  # a full block holding the tail's tokens and more replaces the tail
+    _computed(bm, "long", longer, salt="tenant-1")
+    stats = bm.statistics()
+    assert stats.num_tail_blocks == 0 and stats.num_cached_blocks == 0  # both blocks in use, the tail freed
+    bm.free("long")
+    assert bm.allocate("x", longer + [8], salt="tenant-1").num_cached_tokens == 8
+
+
+def test_tails_are_evicted_without_events_and_the_lender_is_never_its_own_victim() -> None:
+    events: list[KVCacheEvent] = []
+    bus = KVEventBus(buffer_size=0)
+    bus.subscribe(events.append)
+    bm, copies = _with_copier(num_blocks=3, event_bus=bus)
+    _computed(bm, "a", list(range(6)))  # a full block, a tail of 2
+    bm.free("a")
+    events.clear()
+    # needs all three blocks: the tail could lend, but holding it leaves too few: no partial hit
+    hit = bm.allocate("b", list(range(4)) + [4, 9, 9, 9, 9])
+    assert hit.num_cached_tokens == 4 and not copies.calls
+    assert events == []  # the evicted tail was never published
+    assert bm.statistics().num_tail_blocks == 0
+
+
+def test_reset_drops_tails() -> None:
+    bm, copies = _with_copier()
+    _computed(bm, "a", list(range(6)))
+    bm.free("a")
+    bm.reset_prefix_cache()
+    stats = bm.statistics()
+    assert stats.num_tail_blocks == 0 and stats.num_free_blocks == 8
+    assert bm.allocate("b", list(range(6))).num_cached_tokens == 0 and not copies.calls
+
+
 # -- property test -------------------------------------------------------------------------------
 
 BLOCK_SIZE = 2
@@ -311,13 +404,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     Token ``i``'s "KV" is (salt, tokens[: i + 1]): a wrong prefix hit, a write into a shared block, or
     an evicted block still in use shows up as a slot holding the wrong value. Subclasses run it under
     every eviction policy, with pins on a fake clock and a second tier that copies the fake KV (a
-    block loaded back from the tier must hold what was evicted).
+    block loaded back from the tier must hold what was evicted), and a copier for partial hits (a
+    copied slot must hold the KV of the token the new sequence has there).
     """
 
     POLICY = "lru"
     TIER_SLOTS = 0
     MAX_PINNED = 0
     NUM_BLOCKS = NUM_BLOCKS
+    COPIER = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -329,6 +424,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                                max_pinned_blocks=self.MAX_PINNED, tier=tier, clock=lambda: self.now)
         self.router_view: set[bytes] = set()  # what a router rebuilds from the events alone
         self.bus.subscribe(self._on_event)
+        if self.COPIER:
+            self.bm.attach_block_copier(self._copy)
         self.tokens: dict[int, list[int]] = {}
         self.salts: dict[int, bytes] = {}
         self.computed: dict[int, int] = {}
@@ -344,6 +441,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.router_view.difference_update(event.block_hashes)  # type: ignore[arg-type]
         elif isinstance(event, AllBlocksCleared):
             self.router_view.clear()
+
+    def _copy(self, src_block_id: int, dst_block_id: int, num_tokens: int) -> None:
+        assert 0 < num_tokens <= BLOCK_SIZE
+        for offset in range(num_tokens):
+            self.kv[dst_block_id * BLOCK_SIZE + offset] = self.kv[src_block_id * BLOCK_SIZE + offset]
 
     def _expected(self, seq_id: int, index: int) -> tuple[bytes, tuple[int, ...]]:
         return self.salts[seq_id], tuple(self.tokens[seq_id][: index + 1])
@@ -370,7 +472,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         allocation = self.bm.allocate(seq_id, prompt, salt=salt)
         num_cached = allocation.num_cached_tokens
-        assert num_cached % BLOCK_SIZE == 0 and num_cached <= len(prompt) - 1
+        assert num_cached <= len(prompt) - 1 and (self.COPIER or num_cached % BLOCK_SIZE == 0)
         self.tokens[seq_id], self.salts[seq_id], self.computed[seq_id] = prompt, _salt_key(salt), num_cached
         self.num_hit_tokens += num_cached
         for index, slot in enumerate(self.bm.slot_mapping(seq_id, 0, num_cached)):
@@ -475,7 +577,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         used = [block_id for block_id, ref_count in enumerate(snapshot.ref_counts) if ref_count > 0]
         assert sorted(free + cached + pinned + used) == list(range(self.NUM_BLOCKS))
         assert all(snapshot.block_hashes[b] is None for b in free)
-        assert all(snapshot.block_hashes[b] is not None for b in cached + pinned)
+        tails = set(snapshot.tail_block_ids)
+        assert tails <= set(cached)  # a tail is evictable, never pinned, never in use
+        assert all((snapshot.block_hashes[b] is None) == (b in tails) for b in cached + pinned)
         stats = self.bm.statistics()
         assert stats.num_free_blocks == len(free)
         assert stats.num_cached_blocks == len(cached) + len(pinned)
@@ -544,7 +648,13 @@ class LRUWithPinsAndTierMachine(BlockManagerMachine):
     POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "lru", 3, 2, 6
 
 
-for _machine in (SLRUMachine, FrequencyMachine, LRUWithPinsAndTierMachine):
+class WholeBlocksOnlyMachine(BlockManagerMachine):
+    """No copier: hits are whole blocks, no tails (the block manager as pure bookkeeping)."""
+
+    COPIER, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = False, 3, 2, 8
+
+
+for _machine in (SLRUMachine, FrequencyMachine, LRUWithPinsAndTierMachine, WholeBlocksOnlyMachine):
     _case = _machine.TestCase
     _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
     globals()[f"Test{_machine.__name__}"] = _case

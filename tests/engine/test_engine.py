@@ -45,7 +45,8 @@ def test_prefix_cache_hit_gives_the_same_logits_as_a_cold_run():
     warm_engine.generate([PROMPTS[2]], params)
     hit = warm_engine.generate([PROMPTS[2][:37] + [99, 98]], params)[0]
     cold = make_engine().generate([PROMPTS[2][:37] + [99, 98]], params)[0]
-    assert hit.num_cached_prompt_tokens == 36  # nine full blocks of four
+    # nine full blocks of four, then the tenth block's first token, copied (copy-on-write)
+    assert hit.num_cached_prompt_tokens == 37
     assert cold.num_cached_prompt_tokens == 0
     assert hit.output_token_ids == cold.output_token_ids
     assert torch.allclose(torch.tensor(hit.logprobs), torch.tensor(cold.logprobs), atol=1e-5)
@@ -129,5 +130,6 @@ def test_usage_counts_prompt_cached_and_completion_tokens():
     while engine.has_unfinished():
         outputs += engine.step()
     usage = outputs[-1].usage
-    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (40, 36, 12)
+    # the same prompt again: every token but the last (it is computed for its logits) is cached
+    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (40, 39, 12)
     assert usage.time_to_first_token_s is not None and usage.time_to_first_token_s > 0

@@ -124,7 +124,7 @@ def test_engine_greedy_with_a_prefix_hit_matches_transformers(gemma, hf_gemma):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.generate([PROMPT], params)
     [hit] = engine.generate([PROMPT[:13] + [77, 78]], params)
-    assert hit.num_cached_prompt_tokens == 12
+    assert hit.num_cached_prompt_tokens == 13  # three full blocks, and the fourth's first token copied
     tokens = PROMPT[:13] + [77, 78]
     for _ in range(6):
         tokens.append(int(hf_logits(hf_gemma, tokens)[-1].argmax()))

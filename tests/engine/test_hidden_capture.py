@@ -60,13 +60,14 @@ def test_chunked_prefill_equals_one_shot_and_reports_before_the_prompt_ends():
 def test_a_prefix_cache_hit_stops_at_the_first_span():
     cold, _, _ = captured(make_engine())
     engine = make_engine()
-    engine.generate([PROMPT], PARAMS)  # caches all 14 full blocks of the prompt (the last token is never reused)
+    engine.generate([PROMPT], PARAMS)  # caches the prompt's blocks (the last token is never reused)
     hit, _, seq = captured(engine, request_id="hit")
-    assert seq.num_cached_prompt_tokens == 8  # two blocks of four: the first span starts at 9
+    # two blocks of four and the third's first token (copied): the first span starts at 9
+    assert seq.num_cached_prompt_tokens == 9
     torch.testing.assert_close(hit, cold, atol=1e-5, rtol=1e-5)
     again = engine.add_request("plain", PROMPT, PARAMS)
     engine.step()
-    assert again.num_cached_prompt_tokens == 56  # without a capture the whole cached prefix is reused
+    assert again.num_cached_prompt_tokens == 59  # without a capture every token but the last is reused
 
 
 def test_preemption_restarts_an_unfinished_capture():

@@ -344,7 +344,9 @@ def test_request_log_rows_replay_the_engine_hits(tmp_path) -> None:
     assert [r["input_length"] for r in rows] == [20, 26]
     assert rows[0]["block_size"] == 4 and len(rows[0]["hash_ids"]) == 5 and rows[0]["output_length"] == 4
     assert rows[1]["hash_ids"][:5] == rows[0]["hash_ids"]  # the shared full blocks, same ids
-    assert rows[1]["cached_tokens"] == 20
+    # the 5 full blocks, then the first 3 slots of the first's tail block (its 3 computed output
+    # tokens), copied: 23
+    assert rows[1]["cached_tokens"] == 23
     # 23 computed tokens (the last output token's KV is never written): 5 full blocks
     assert rows[0]["sequence_hash_ids"] == rows[0]["hash_ids"]
     assert rows[0]["finish_ms"] >= rows[0]["timestamp"]
