@@ -106,7 +106,10 @@ def test_cache_aware_sends_a_repeated_prefix_to_the_replica_that_cached_it(model
         assert sorted(stats.num_routed) == [0, 2]
         assert second[0].usage.cached_prompt_tokens >= 24
         assert stats.reasons.get("cache_hit") == 1
-        assert stats.predicted_cached_tokens == second[0].usage.cached_prompt_tokens
+        # the router predicts whole blocks (what the KV events publish); the engine also copies the
+        # first slots of the next cached block (a partial hit), less than one block more
+        actual = second[0].usage.cached_prompt_tokens
+        assert stats.predicted_cached_tokens <= actual < stats.predicted_cached_tokens + OPTIONS.block_size
     finally:
         router.shutdown()
         runtime.close()
