@@ -180,7 +180,8 @@ class BlockManager:
     # -- scheduler API -----------------------------------------------------------------------------
 
     def can_allocate(
-        self, tokens: int | Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None
+        self, tokens: int | Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None,
+        reuse_last: bool = False,
     ) -> bool:
         """Whether :meth:`allocate` would succeed now (with the same ``max_cached_tokens``).
 
@@ -193,11 +194,12 @@ class BlockManager:
         self.expire_pins()
         if isinstance(tokens, int):
             return self._num_blocks_for(num_tokens) <= self._num_available()
-        match = self._match_prefix(tokens, _salt_bytes(salt), _reuse_limit(num_tokens, max_cached_tokens))
+        match = self._match_prefix(tokens, _salt_bytes(salt), _reuse_limit(num_tokens, max_cached_tokens, reuse_last))
         return self._fits(num_tokens, match)
 
     def allocate(
-        self, seq_id: Hashable, token_ids: Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None
+        self, seq_id: Hashable, token_ids: Sequence[int], *, salt: Salt = None, max_cached_tokens: int | None = None,
+        reuse_last: bool = False,
     ) -> Allocation:
         """Give a new sequence blocks for its prompt, reusing the longest cached prefix.
 
@@ -205,12 +207,13 @@ class BlockManager:
         computed (the model needs its logits) into a private block, so ``num_cached_tokens`` is at
         most ``len(token_ids) - 1``: whole shared blocks, then (with a copier attached) the first
         slots of one more block copied into a private one. ``max_cached_tokens`` lowers that limit
-        (a request whose prefill must compute positions from there on).
+        (a request whose prefill must compute positions from there on). ``reuse_last``: the last
+        token may be reused too (the caller has its logits: see :mod:`loopstack.engine.kept_logits`).
 
         Raises:
             OutOfBlocksError (nothing changes), DuplicateSequenceError, ValueError (empty prompt).
         """
-        limit = _reuse_limit(len(token_ids), max_cached_tokens)
+        limit = _reuse_limit(len(token_ids), max_cached_tokens, reuse_last)
         allocation = self._allocate(seq_id, token_ids, salt, max_cached_tokens=limit)
         policy = self._policy.name
         for prefix in ("", f"{policy}:"):  # totals, and per policy (it can switch while serving)
@@ -867,8 +870,8 @@ class BlockManager:
             self._event_bus.publish(event)
 
 
-def _reuse_limit(num_tokens: int, max_cached_tokens: int | None) -> int:
-    limit = num_tokens - 1
+def _reuse_limit(num_tokens: int, max_cached_tokens: int | None, reuse_last: bool = False) -> int:
+    limit = num_tokens if reuse_last else num_tokens - 1
     return limit if max_cached_tokens is None else max(0, min(limit, max_cached_tokens))
 
 

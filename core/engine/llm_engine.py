@@ -17,6 +17,7 @@ from loopstack.engine.block_manager import BlockManager
 from loopstack.engine.cache_options import KVCacheOptions, Retention
 from loopstack.engine.capture import CaptureAccumulator, HiddenCapture, check_capture
 from loopstack.engine.errors import EngineError
+from loopstack.engine.kept_logits import KeptLogits
 from loopstack.engine.kv_tier import make_tier
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token, weight_bytes
@@ -53,6 +54,7 @@ class EngineOptions:
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)  # eviction policy, pins, tier, log
+    kept_logits: int = 8  # last logits of this many recent prompts: the same prompt again needs no forward (0: off)
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,10 @@ class LLMEngine:
             num_blocks, options.block_size, enable_prefix_caching=options.enable_prefix_caching, event_bus=event_bus,
             policy=cache.policy, max_pinned_blocks=int(cache.max_pinned_share * num_blocks),
         )
+        self.kept_logits = KeptLogits(options.kept_logits) if options.kept_logits and options.enable_prefix_caching else None
         self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens
+            self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+            kept_logits=self.kept_logits,
         )
         self.runner = ModelRunner(model, self.block_manager, num_blocks)
         self.block_manager.attach_block_copier(self.runner.copy_block_prefix)
@@ -293,9 +297,29 @@ class LLMEngine:
         if self._capturing:
             outputs.extend(self._captured(chunks))
         sampling = [c for c in chunks if c.samples]
+        if sampling:
+            logits = self._with_kept_rows(sampling, logits)
         if sampling and logits is not None:
             outputs.extend(self._sample(sampling, logits))
         return outputs
+
+    def _with_kept_rows(self, sampling: list[ScheduledChunk], logits: torch.Tensor | None) -> torch.Tensor | None:
+        """The forward's rows with the kept rows of chunks that computed nothing put in their place."""
+        if not any(c.seq.kept_logits is not None and c.start == c.end for c in sampling):
+            return logits
+        parts, row = [], 0
+        for chunk in sampling:
+            kept = chunk.seq.kept_logits
+            if kept is not None and chunk.start == chunk.end:
+                parts.append(kept[None])
+                chunk.seq.kept_logits = None
+                assert self.kept_logits is not None
+                self.kept_logits.num_hits += 1
+            else:
+                assert logits is not None
+                parts.append(logits[row : row + len(chunk.draft) + 1].float().cpu())
+                row += len(chunk.draft) + 1
+        return torch.cat(parts)
 
     def _captured(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """Outputs for captures this step finished on chunks that do not sample (a sampled
@@ -328,6 +352,8 @@ class LLMEngine:
             rows = logits if not drafted else logits[[r for _, r in plain]]
             seqs = [seq for seq, _ in plain]
             for i, seq in enumerate(seqs):
+                if self.kept_logits is not None and not seq.output_token_ids and seq.capture is None:
+                    self.kept_logits.put(seq.salt, seq.prompt_token_ids, rows[i])  # its prompt's last row, unmasked
                 if seq.grammar is not None:
                     seq.grammar.mask_logits(rows[i])
             result = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])

@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.kept_logits import KeptLogits
 from loopstack.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerStatistics"]
@@ -53,8 +56,12 @@ class SchedulerStatistics:
 class Scheduler:
     """Decides, step by step, which tokens of which sequences run."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+        kept_logits: KeptLogits | None = None,
+    ) -> None:
         self.block_manager = block_manager
+        self.kept_logits = kept_logits  # a fresh prompt whose last logits are kept may compute nothing
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -91,7 +98,9 @@ class Scheduler:
             seq = self.waiting[0]
             tokens = seq.token_ids
             reuse = seq.capture.max_cached_tokens if seq.capture is not None else None  # a capture's spans
-            if not self.block_manager.can_allocate(tokens, salt=seq.salt, max_cached_tokens=reuse):
+            kept = self._kept_logits(seq)
+            if not self.block_manager.can_allocate(tokens, salt=seq.salt, max_cached_tokens=reuse,
+                                                   reuse_last=kept is not None):
                 if not self.running:
                     # nothing will ever free blocks for it: fail it instead of waiting forever
                     self.waiting.popleft()
@@ -100,8 +109,11 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            allocation = self.block_manager.allocate(seq.request_id, tokens, salt=seq.salt, max_cached_tokens=reuse)
+            allocation = self.block_manager.allocate(seq.request_id, tokens, salt=seq.salt, max_cached_tokens=reuse,
+                                                     reuse_last=kept is not None)
             seq.num_computed_tokens = allocation.num_cached_tokens
+            if kept is not None and allocation.num_cached_tokens == len(tokens):
+                seq.kept_logits = kept  # nothing to compute: its first token is sampled from these
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = allocation.num_cached_tokens
                 seq.admitted = True
@@ -111,6 +123,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
             budget -= end - seq.num_computed_tokens
         return chunks
+
+    def _kept_logits(self, seq: Sequence) -> torch.Tensor | None:
+        """The kept last logits of a fresh plain request's prompt, if any."""
+        if self.kept_logits is None or seq.admitted or seq.output_token_ids or seq.capture is not None:
+            return None
+        return self.kept_logits.get(seq.salt, seq.prompt_token_ids)
 
     def _reserve(self, seq: Sequence, end: int) -> bool:
         """Make sure slots up to ``end`` exist, preempting others (or ``seq``) if needed."""

@@ -95,6 +95,7 @@ class Sequence:
     prefill_only: bool = False  # end with HANDOFF after the first token, blocks kept (disaggregation)
     retention: Retention | None = None  # pin its prompt prefix when it ends (see loopstack.engine.cache_options)
     num_sampling_forwards: int = 0  # forwards that appended tokens to it (sampled one, or verified a draft)
+    kept_logits: torch.Tensor | None = None  # admitted with its whole prompt cached: its first token's logits
 
     @property
     def token_ids(self) -> list[int]:

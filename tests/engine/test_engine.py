@@ -130,6 +130,6 @@ def test_usage_counts_prompt_cached_and_completion_tokens():
     while engine.has_unfinished():
         outputs += engine.step()
     usage = outputs[-1].usage
-    # the same prompt again: every token but the last (it is computed for its logits) is cached
-    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (40, 39, 12)
+    # the same prompt again: every token is cached, and the last logits kept (see test_kept_logits.py)
+    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (40, 40, 12)
     assert usage.time_to_first_token_s is not None and usage.time_to_first_token_s > 0

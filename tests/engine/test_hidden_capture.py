@@ -67,7 +67,7 @@ def test_a_prefix_cache_hit_stops_at_the_first_span():
     torch.testing.assert_close(hit, cold, atol=1e-5, rtol=1e-5)
     again = engine.add_request("plain", PROMPT, PARAMS)
     engine.step()
-    assert again.num_cached_prompt_tokens == 59  # without a capture every token but the last is reused
+    assert again.num_cached_prompt_tokens == 60  # without a capture the whole prompt (and its kept logits)
 
 
 def test_preemption_restarts_an_unfinished_capture():

@@ -79,3 +79,19 @@ def test_chat_prefix_is_served_from_the_cache(engine):
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
     [again] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
     assert again.num_cached_prompt_tokens >= len(prompt) - engine.block_manager.block_size
+
+
+def test_a_repeated_prompt_samples_from_unmasked_kept_logits(engine):
+    """The same prompt three times: plain, then under a grammar, then plain. The second and third
+    sample from the logits the first kept; the grammar masks a copy, so the third is the first."""
+    prompt = chat(engine, "Name a colour.")
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    hits = engine.kept_logits.num_hits
+    [first] = engine.generate([prompt], plain)
+    [digits] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                        grammar={"type": "regex", "pattern": "[0-9]{3}"}))
+    [third] = engine.generate([prompt], plain)
+    assert engine.kept_logits.num_hits - hits == 2
+    assert len(digits.output_text) == 3 and digits.output_text.isdigit()
+    assert third.output_token_ids == first.output_token_ids
+    assert third.num_cached_prompt_tokens == len(prompt)

@@ -19,7 +19,7 @@ SMOLLM2_TEXT = st.text(
         max_codepoint=0x3FFFF, exclude_categories=("Cs",), exclude_characters="\x04\x06\x13\x14\x16\x1d"
     ),
     max_size=40,
-)
+).filter(lambda text: "<|" not in text)  # special tokens' text encodes to the special token (tested above)
 SMOLLM2_FRANCE_PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -10,8 +10,8 @@ Columns are backends, not stacks, each in a process of its own with the machine'
 
 Every round measures every column in turn (the runner alternates the order): a 1,024-token
 prefill, 64 greedy decode tokens at batch 1 and at batch 8 (8 concurrent streams for the
-servers), and the time to first token of a 512-token prompt cold and again with its prefix
-cached. A backend that cannot do something (llama-cpp-python has no batched decode) reports no
+servers), and the time to first token of a 512-token prompt cold, again (all of it cached),
+and with a short new message after it (its prefix cached: an agent's next turn). A backend that cannot do something (llama-cpp-python has no batched decode) reports no
 figure for it rather than a made-up one. ``-o backends=loopstack,llama.cpp`` picks columns;
 ``-o decode_tokens=N`` sets the decode length.
 """
@@ -58,7 +58,12 @@ class EngineWorkload(Workload):
     async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
         from loopstack.bench.servers import start_llama_cpp, start_loopstack
         from loopstack.bench.workloads.engine_http import HttpBackend
-        from loopstack.bench.workloads.engine_prompts import ESSAY_TOPICS, EnginePrompts, bench_prompt_ids
+        from loopstack.bench.workloads.engine_prompts import (
+            ESSAY_TOPICS,
+            NEXT_TURN_TEXT,
+            EnginePrompts,
+            bench_prompt_ids,
+        )
         from loopstack.bench.workloads.engine_worker import WorkerBackend
         from loopstack.engine.loaders import load_tokenizer, resolve_model_path
 
@@ -73,10 +78,11 @@ class EngineWorkload(Workload):
         batch = [bench_prompt_ids(tokenizer, 128, data, variant=10 + i) for i in range(BATCH)]
         essays = tuple(f"Write a long, detailed essay about {topic}." for topic in ESSAY_TOPICS[:BATCH])
         steps = options.steps or (1 if options.quick else self.default_steps)
+        next_turn = tokenizer.encode(NEXT_TURN_TEXT)
         for index in range(steps):
             ttft = bench_prompt_ids(tokenizer, TTFT_TOKENS, data, variant=1 + index)
             self._prompts.append(EnginePrompts(prefill, batch, ttft, decode_tokens, tokenizer.decode(prefill),
-                                               tokenizer.decode(ttft), essays))
+                                               tokenizer.decode(ttft), essays, next_turn, NEXT_TURN_TEXT))
         engine_json = table.model_dump_json()
         for name in (c for c in columns if c in IN_PROCESS):
             self._backends[name] = await asyncio.to_thread(WorkerBackend, name, engine_json, threads)

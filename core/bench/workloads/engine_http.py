@@ -70,6 +70,8 @@ class HttpBackend:
             cold = f"Session {uuid.uuid4().hex[:12]}.\n" + prompts.ttft_text
             out["ttft_s.cold"] = (await self._stream(client, cold, 1)).ttft
             out["ttft_s.cached"] = (await self._stream(client, cold, 1)).ttft
+            if prompts.next_turn_text:
+                out["ttft_s.next_turn"] = (await self._stream(client, cold + prompts.next_turn_text, 1)).ttft
         return out
 
     def _body(self, text: str, max_tokens: int, stream: bool) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ def _token_ids(tokenizer: Any, data_dir: Path) -> list[int]:
     return list(_token_ids_cached(id(tokenizer), tokenizer, data_dir))
 
 
+# what an agent's next turn adds to a cached conversation: a short new message
+NEXT_TURN_TEXT = "\n\nNow list the files you changed and say in one sentence why each changed."
+
 ESSAY_TOPICS = ("the printing press", "steam engines", "the history of maps", "bread baking", "lighthouses",
                 "the postal service", "glass making", "clocks and calendars")
 
@@ -51,7 +54,9 @@ class EnginePrompts:
     """One round of the engine bench: token ids for the in-process backends, texts for the servers.
 
     ``prefill``: a long prompt (prefill tok/s); ``batch``: same-length prompts decoded together
-    (the first alone is batch 1); ``ttft``: a prompt timed cold, then again with its prefix cached.
+    (the first alone is batch 1); ``ttft``: a prompt timed cold, then again (all of it cached),
+    then with ``next_turn`` after it (its prefix cached, a new message to compute, as in an agent's
+    next turn).
     ``*_text``: the same as chat messages for the servers (``essays`` ask for long answers, so
     every stream decodes ``decode_tokens`` before the model would stop).
     """
@@ -63,6 +68,8 @@ class EnginePrompts:
     prefill_text: str = ""
     ttft_text: str = ""
     essays: tuple[str, ...] = ()
+    next_turn: list[int] = field(default_factory=list)
+    next_turn_text: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -44,6 +44,8 @@ def measure(backend: Any, prompts: EnginePrompts) -> dict[str, float]:
     backend.reset_cache()
     out["ttft_s.cold"] = backend.ttft(prompts.ttft)
     out["ttft_s.cached"] = backend.ttft(prompts.ttft)
+    if prompts.next_turn:
+        out["ttft_s.next_turn"] = backend.ttft(prompts.ttft + prompts.next_turn)
     return out
 
 

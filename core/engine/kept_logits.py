@@ -1,0 +1,60 @@
+"""The last logits of recent prompts, so that a prompt sent again samples without a forward.
+
+When a prompt's every token is still in the prefix cache (its last, partial block kept as a tail,
+see :mod:`loopstack.engine.block_manager`) and the logits its last position gave are kept here, the
+scheduler admits it with nothing to compute and the engine samples its first token from the kept
+row: a retried or regenerated request costs no forward, as an exact repeat costs nothing in
+llama.cpp's Python server. Rows are the raw model output (before grammar masks and penalties), so
+any sampling parameters may use them. Keyed by salt and the prompt's tokens; least recently used
+rows go first. Owned by the engine thread; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["KeptLogits"]
+
+
+class KeptLogits:
+    """Up to ``capacity`` float32 logits rows on the host (a row is ``vocab_size * 4`` bytes)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_hits = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def put(self, salt: str, prompt_token_ids: Sequence[int], logits: torch.Tensor) -> None:
+        """Keep a copy of ``logits`` (``[vocab]``), the row of the prompt's last position."""
+        key = _key(salt, prompt_token_ids)
+        self._rows[key] = logits.detach().to("cpu", torch.float32, copy=True)
+        self._rows.move_to_end(key)
+        while len(self._rows) > self.capacity:
+            self._rows.popitem(last=False)
+
+    def get(self, salt: str, prompt_token_ids: Sequence[int]) -> torch.Tensor | None:
+        """The kept row (shared: copy before changing it), or None."""
+        key = _key(salt, prompt_token_ids)
+        row = self._rows.get(key)
+        if row is not None:
+            self._rows.move_to_end(key)
+        return row
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
+def _key(salt: str, prompt_token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.blake2b(salt.encode(), digest_size=16)
+    digest.update(len(prompt_token_ids).to_bytes(8, "little"))
+    digest.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_token_ids))
+    return digest.digest()
