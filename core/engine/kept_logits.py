@@ -12,6 +12,7 @@ rows go first. Owned by the engine thread; not thread-safe.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -34,8 +35,12 @@ class KeptLogits:
         return len(self._rows)
 
     def put(self, salt: str, prompt_token_ids: Sequence[int], logits: torch.Tensor) -> None:
-        """Keep a copy of ``logits`` (``[vocab]``), the row of the prompt's last position."""
+        """Keep a copy of ``logits`` (``[vocab]``), the row of the prompt's last position (a
+        prompt kept already keeps its row: the same tokens gave it)."""
         key = _key(salt, prompt_token_ids)
+        if key in self._rows:
+            self._rows.move_to_end(key)
+            return
         self._rows[key] = logits.detach().to("cpu", torch.float32, copy=True)
         self._rows.move_to_end(key)
         while len(self._rows) > self.capacity:
@@ -56,5 +61,5 @@ class KeptLogits:
 def _key(salt: str, prompt_token_ids: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(salt.encode(), digest_size=16)
     digest.update(len(prompt_token_ids).to_bytes(8, "little"))
-    digest.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_token_ids))
+    digest.update(array("q", prompt_token_ids).tobytes())
     return digest.digest()
