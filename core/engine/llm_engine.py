@@ -340,7 +340,8 @@ class LLMEngine:
         drafted: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
         for chunk in chunks:
-            chunk.seq.num_sampling_forwards += 1
+            if chunk.end > chunk.start:  # a chunk that computed nothing sampled from kept logits
+                chunk.seq.num_sampling_forwards += 1
             if chunk.draft:
                 drafted.append((chunk.seq, logits[row : row + len(chunk.draft) + 1]))
             else:

@@ -25,6 +25,7 @@ def test_the_same_prompt_again_samples_from_the_kept_logits(prompt):
     # no prompt token computed again: only the 5 decode steps after the first token
     assert engine.num_computed_tokens - computed == PARAMS.max_tokens - 1
     assert again.output_token_ids == first.output_token_ids == cold.output_token_ids
+    assert again.num_sampling_forwards == PARAMS.max_tokens - 1  # the first token took no forward
     torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(cold.logprobs), atol=1e-5, rtol=0)
 
 

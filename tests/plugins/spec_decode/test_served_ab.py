@@ -67,4 +67,6 @@ def test_both_arms_answer_alike_and_the_on_arm_reports_its_drafts(tmp_path, caps
     report = capsys.readouterr().out
     block = report.split("spec_decode / engine_tokens_per_forward")[1].split("\n\n")[0]
     rows = {line.split()[0]: line.split() for line in block.splitlines()[1:3]}
-    assert float(rows["off"][2]) == 1.0 and float(rows["on"][2]) > 1.2  # plain decoding: one token a forward
+    # plain decoding: one token a forward, but a prompt sent again samples its first token from
+    # the logits kept from its first run (no forward): a little above 1
+    assert 1.0 <= float(rows["off"][2]) < 1.1 and float(rows["on"][2]) > 1.2
