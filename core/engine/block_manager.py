@@ -174,6 +174,7 @@ class BlockManager:
         self._policies_used: dict[str, None] = {}
         self._num_pinned_blocks = 0
         self._copier: BlockCopier | None = None
+        self._num_tails = 0
         # cache entries and tails by (parent hash, salt): where a partial hit looks
         self._children: dict[tuple[bytes | None, bytes], dict[int, None]] = {}
 
@@ -506,7 +507,7 @@ class BlockManager:
             num_tier_hit_tokens=counts["tier_hit_tokens"],
             num_tier_blocks=len(self._tier_index),
             num_partial_hit_tokens=counts["partial_hit_tokens"],
-            num_tail_blocks=sum(1 for block_id in self._policy.order() if self._blocks[block_id].tail),
+            num_tail_blocks=self._num_tails,
             tokens_by_policy=tuple((name, counts[f"{name}:queried_tokens"], counts[f"{name}:hit_tokens"])
                                    for name in self._policies_used),
         )
@@ -800,6 +801,7 @@ class BlockManager:
                 return  # held already
         block.tail, block.parent_hash, block.salt, block.token_ids = True, parent, seq.salt, tokens
         block.depth, block.hits = index, 0
+        self._num_tails += 1
         self._drop_shorter_tails(block)
         self._link_child(block)
 
@@ -813,6 +815,7 @@ class BlockManager:
                 self._free.append(block_id)
 
     def _drop_tail(self, block: _Block) -> None:
+        self._num_tails -= 1
         self._unlink_child(block)
         block.tail, block.parent_hash, block.salt, block.token_ids = False, None, b"", ()
         block.hits = block.depth = 0

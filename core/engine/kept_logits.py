@@ -54,9 +54,6 @@ class KeptLogits:
             self._rows.move_to_end(key)
         return row
 
-    def clear(self) -> None:
-        self._rows.clear()
-
 
 def _key(salt: str, prompt_token_ids: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(salt.encode(), digest_size=16)

@@ -341,7 +341,7 @@ def test_tails_are_not_shared_across_salts_nor_kept_twice() -> None:
     assert bm.allocate("x", longer + [8], salt="tenant-1").num_cached_tokens == 8
 
 
-def test_tails_are_evicted_without_events_and_the_lender_is_never_its_own_victim() -> None:
+def test_tails_are_evicted_without_events_and_a_lender_that_would_not_fit_lends_nothing() -> None:
     events: list[KVCacheEvent] = []
     bus = KVEventBus(buffer_size=0)
     bus.subscribe(events.append)
@@ -581,6 +581,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert tails <= set(cached)  # a tail is evictable, never pinned, never in use
         assert all((snapshot.block_hashes[b] is None) == (b in tails) for b in cached + pinned)
         stats = self.bm.statistics()
+        assert stats.num_tail_blocks == len(tails)
         assert stats.num_free_blocks == len(free)
         assert stats.num_cached_blocks == len(cached) + len(pinned)
         assert stats.num_used_blocks == len(used)
