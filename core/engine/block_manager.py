@@ -451,6 +451,11 @@ class BlockManager:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences holding blocks: running ones, and any held for a transfer or being imported."""
+        return len(self._seqs)
+
     def block_table(self, seq_id: Hashable) -> tuple[int, ...]:
         """The sequence's block ids in token order."""
         return tuple(self._get(seq_id).block_table)

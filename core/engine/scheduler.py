@@ -101,8 +101,9 @@ class Scheduler:
             kept = self._kept_logits(seq)
             if not self.block_manager.can_allocate(tokens, salt=seq.salt, max_cached_tokens=reuse,
                                                    reuse_last=kept is not None):
-                if not self.running:
-                    # nothing will ever free blocks for it: fail it instead of waiting forever
+                if not self.running and self.block_manager.num_sequences == 0:
+                    # nothing will ever free blocks for it: fail it instead of waiting forever (blocks
+                    # held for a transfer or an import on its way are freed or run soon: wait for them)
                     self.waiting.popleft()
                     seq.finish(FinishReason.ERROR, f"needs more KV blocks than the cache has ({len(tokens)} tokens)")
                     chunks.append(ScheduledChunk(seq, 0, 0))

@@ -106,3 +106,26 @@ def test_a_failed_load_frees_what_the_import_took():
     with pytest.raises(ConnectionError):
         import_state(target, state, broken)
     assert target.block_manager.statistics().num_used_blocks == 0 and not target.has_unfinished()
+
+
+def test_a_request_waits_for_blocks_an_import_on_its_way_holds():
+    """An import holds blocks before it runs; a request that cannot fit beside it waits for it
+    (the scheduler sees nothing running, but the blocks are not lost) instead of failing."""
+    from loopstack.engine.seams.kv_transfer import begin_import, complete_import, export_state
+    from loopstack.engine.sequence import FinishReason
+
+    source, target = make_engine(), make_engine(num_kv_blocks=16)
+    source.add_request("i", PROMPTS[2], PARAMS, prefill_only=True)
+    source.step()
+    state, block_ids = export_state(source, "i")
+    pending = begin_import(target, state)  # 10 of the 16 blocks
+    target.add_request("w", list(range(100, 140)), PARAMS)  # 10 more: no room until the import ends
+    assert target.step() == [] and target.sequence("w") is not None  # waiting, not failed
+    target.runner.import_kv(pending.block_ids, source.runner.export_kv(block_ids[pending.first_block:]))
+    moved = complete_import(target, pending, state)
+    source.release_held("i")
+    waiting = target.sequence("w")
+    while target.has_unfinished():
+        target.step()
+    assert moved.finish_reason is waiting.finish_reason is FinishReason.LENGTH
+    assert len(waiting.output_token_ids) == PARAMS.max_tokens
