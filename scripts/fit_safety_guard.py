@@ -6,8 +6,9 @@
 Builds the labelled set (``loopstack.plugins.parallel_safety.bench.dataset``: user turns,
 content from outside, assistant outputs, each split fit / calibration / test), extracts
 features, fits the ``jailbreak`` head on user turns (hidden states) and the ``injection``
-head on the segments of outside content (sentence embeddings; a text scores its worst
-segment) (``loopstack.plugins.parallel_safety.fitting``), calibrates both on the calibration
+head on the sentences of outside content read in context (``--rows pieces``: the same
+hidden states, a mean per sentence; ``--rows segments``: MiniLM sentence embeddings, the
+earlier head; a text scores its worst row) (``loopstack.plugins.parallel_safety.fitting``), calibrates both on the calibration
 split (Platt scaling; benign calibration scores kept per source for the thresholds),
 scores the test split once, runs the leave-one-source-out folds, and writes the weights
 with that report. Features are cached (``--cache``) so refits are quick.
@@ -21,7 +22,7 @@ Features (``--features``):
   then prefilled by the engine a stack's ``[engine]`` table builds (``--stack``; int4 on
   CPU by default) with the fused check's own capture (``fused.text_capture``), to
   ``data/safety_guard_in_context.npz``. Train and serve share every step. Only user turns
-  (the ``jailbreak`` head): the injection head reads segments, which a prefill's mean
+  (the ``jailbreak`` head): the injection head reads sentences, which a prefill's mean
   cannot give, so a fused check judges user turns only, of at least ``MIN_FUSED_CHARS``
   characters (shorter ones are judged standalone). Texts are cut to 1,000 characters
   (``IN_CONTEXT_CHARS``) to keep the prefill of the whole set under half an hour.
@@ -54,6 +55,7 @@ from loopstack.plugins.parallel_safety.fitting import (
     evaluate,
     fit_heads,
     leave_one_source_out,
+    piece_arrays,
     segment_arrays,
 )
 from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH, MODEL_FINGERPRINT, WEIGHTS_PATH
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", choices=("standalone", "in_context"), default="standalone")
     parser.add_argument("--stack", type=Path, default=Path(__file__).resolve().parents[1] / "stacks" / "baseline.toml",
                         help="in_context: the stack whose [engine] computes the features (as it serves)")
+    parser.add_argument("--rows", choices=("pieces", "segments"), default="pieces",
+                        help="the injection head's features: in-context hidden states per sentence (pieces) or "
+                             "MiniLM segment embeddings (segments, the earlier head)")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     parser.add_argument("--max-fpr", type=float, default=0.01,
@@ -141,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         extractor = HiddenStateFeatures(num_layers=args.layers, max_tokens=args.max_tokens)
         x = cached_features([e.text for e in examples], lambda texts: [extractor(t) for t in texts], args.cache)
-        segments, payloads = segment_arrays(examples, SegmentFeatures(), args.cache.with_suffix(".segments.npz"))
-        data = Labelled.of(examples, x, segments, payloads)
+        if args.rows == "pieces":
+            rows, payloads = piece_arrays(examples, extractor, args.cache.with_suffix(".pieces.npz"))
+        else:
+            rows, payloads = segment_arrays(examples, SegmentFeatures(), args.cache.with_suffix(".segments.npz"))
+        data = Labelled.of(examples, x, rows, payloads, args.rows)
     report: dict[str, object] = {"features": args.features, "layers": args.layers, "max_tokens": args.max_tokens,
                                  "max_false_positive_rate": args.max_fpr}
     if model is not None:

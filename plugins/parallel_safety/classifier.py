@@ -1,9 +1,11 @@
 """The built-in guard: calibrated logistic heads on the embedded model's hidden states.
 
 Each kind of content is judged for what can go wrong with it (``routes``, the stack's
-``classifier_heads``): a user ``message`` by the ``jailbreak`` head; content that enters the
-context from outside (``function_call_output``, ``tool_search_output`` with the descriptions
-of the tools it loaded) by the ``injection`` head; generated ``output`` by none. An ordinary
+``classifier_heads``): a user ``message`` by the ``jailbreak`` head (the text's mean hidden
+state); content that enters the context from outside (``function_call_output``,
+``tool_search_output`` with the descriptions of the tools it loaded) by the ``injection``
+head (each sentence's hidden states read in context: its worst sentence); generated
+``output`` by none. An ordinary
 request is never asked whether it is an injection. Every head's
 threshold for every kind of content comes from the calibration for the false-positive
 target (``max_false_positive_rate``, :mod:`.heads`).
@@ -134,6 +136,8 @@ class ClassifierGuard:
         out: dict[str, Any] = {}
         if "hidden_states" in kinds:
             out["hidden_states"] = self.features(piece.text)
+        if "pieces" in kinds:
+            out["pieces"] = self.features.pieces(piece.text).rows
         if "segments" in kinds:
             assert self.segment_features is not None
             out["segments"] = self.segment_features(piece.text)
@@ -180,8 +184,8 @@ class ClassifierGuard:
 
     def fused_pieces(self, pieces: Sequence[Piece]) -> list[Piece]:
         """The one capture of a request covers content of one kind whose heads read hidden
-        states: the user turns by default (segment heads, the injection one, need a forward
-        of their own), those of at least :data:`MIN_FUSED_CHARS` characters."""
+        states: the user turns by default (the injection head reads each sentence of a tool
+        output in a forward of its own), those of at least :data:`MIN_FUSED_CHARS` characters."""
         judged = [p for p in self.judged(pieces) if self._fusable(p.item_type) and len(p.text) >= MIN_FUSED_CHARS
                   and set(self._fusable(p.item_type)) == set(self.routes[p.item_type])]
         users = [p for p in judged if CONTENT_OF_ITEM[p.item_type] == "user"]

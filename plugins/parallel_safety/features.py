@@ -7,15 +7,20 @@ KV cache, one text at a time, HF-named weights of :meth:`CausalLM.hf_state_dict`
 never touches the engine's paged cache. The fused check reads the same mean from the
 engine's own prefill instead (:mod:`.fused`).
 
-:class:`SegmentFeatures`: sentence embeddings of a text's short segments, for a head that
-looks for the one suspicious sentence in a long tool output (a mean over the whole output
-drowns it).
+:meth:`HiddenStateFeatures.pieces`: the same hidden states per sentence of a text, each
+sentence read after the ones before it (one forward over the text, a mean over each
+sentence's tokens), for the head that looks for the one instruction hidden in a tool output
+(a mean over the whole output drowns it, and a sentence alone loses what it is said among).
+
+:class:`SegmentFeatures`: sentence embeddings (MiniLM) of a text's short segments, the
+injection head's features before the in-context pieces replaced them (kept for comparing).
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,7 +81,31 @@ class HiddenStateFeatures:
         with self._lock, torch.inference_mode():
             return self._forward(torch.tensor(self.token_ids(text))).numpy()
 
+    def pieces(self, text: str) -> PieceFeatures:
+        """The in-context features of each of ``text``'s :func:`pieces` (its sentences): the
+        text in windows of at most ``PIECE_WINDOW_TOKENS`` tokens, each a forward of its own
+        (whole pieces to a window, a piece longer than one cut to it), and every piece the mean
+        of its tokens' hidden states, each seen after the pieces before it in its window. A text
+        of more than ``MAX_PIECE_WINDOWS`` windows keeps the first and last halves of them."""
+        import torch
+
+        windows = piece_windows(self.tokenizer, text)
+        rows, kept = [], []
+        with self._lock, torch.inference_mode():
+            for ids, spans in windows:
+                states = self._states(torch.tensor(ids))
+                rows += [states[a:b].mean(0) for a, b, _ in spans]
+                kept += [index for _, _, index in spans]
+        return scored(PieceFeatures(torch.stack(rows).float().numpy(), tuple(kept)), pieces(text))
+
     def _forward(self, ids: Any) -> Any:
+        x = self._states(ids)
+        # the first position is an attention sink with huge norms: pool over the rest
+        pooled = x[1:].mean(0) if len(ids) > 1 else x[0]
+        return pooled.float()
+
+    def _states(self, ids: Any) -> Any:
+        """``[S, hidden]``: the residual stream after the first ``num_layers`` layers."""
         import torch
         import torch.nn.functional as F
 
@@ -98,9 +127,65 @@ class HiddenStateFeatures:
             h = _rms(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
             x = x + F.linear(F.silu(gate) * F.linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
-        # the first position is an attention sink with huge norms: pool over the rest
-        pooled = x[1:].mean(0) if n > 1 else x[0]
-        return pooled.float()
+        return x
+
+
+PIECE_WINDOW_TOKENS = 384  # about 1,500 characters: a carrier of the labelled set fits one window
+MAX_PIECE_WINDOWS = 4  # about 1 s on one core at most
+MIN_SCORED_WORDS = 3
+
+
+@dataclass(frozen=True)
+class PieceFeatures:
+    """``rows[i]``: the in-context features of piece ``kept[i]`` of :func:`pieces` (pieces in
+    windows left out of a long text have none)."""
+
+    rows: np.ndarray  # [P, hidden] float32
+    kept: tuple[int, ...]
+
+
+def scored(features: PieceFeatures, texts: list[str], min_words: int = MIN_SCORED_WORDS) -> PieceFeatures:
+    """Only the rows of pieces of at least ``min_words`` words (the longest piece when none
+    is): a fragment of a word or two ("rawtext,", "Book now.") gives a mean over a token or
+    two, noise that a text's worst row would otherwise pick; it still stays in the context
+    of the pieces after it. Idempotent."""
+    keep = [i for i, k in enumerate(features.kept) if len(texts[k].split()) >= min_words]
+    if not keep:
+        keep = [max(range(len(features.kept)), key=lambda i: len(texts[features.kept[i]].split()))]
+    return PieceFeatures(features.rows[keep], tuple(features.kept[i] for i in keep))
+
+
+def pieces(text: str) -> list[str]:
+    """``text``'s sentences, line by line, each with the whitespace that led to it (a line
+    break, or a space after the sentence before it on its line), so that the pieces in order
+    are the text again up to runs of whitespace. Blank lines are no pieces."""
+    out = []
+    for j, line in enumerate(text.split("\n")):
+        for k, sentence in enumerate(_SENTENCE_END.split(line)):
+            if sentence.strip():
+                out.append(("\n" if j and not k else " " if k else "") + sentence)
+    return out or [text.strip() or " "]
+
+
+def piece_windows(tokenizer: Any, text: str, window: int = PIECE_WINDOW_TOKENS,
+                  max_windows: int = MAX_PIECE_WINDOWS) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
+    """``(token ids, [(start, stop, piece index)])`` of each window the pieces of ``text`` are
+    packed into (see :meth:`HiddenStateFeatures.pieces`); every window starts with BOS."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
+    windows: list[tuple[list[int], list[tuple[int, int, int]]]] = []
+    ids: list[int] = [bos]
+    spans: list[tuple[int, int, int]] = []
+    for index, piece in enumerate(pieces(text)):
+        tokens = (tokenizer.encode(piece) or [bos])[: window - 1]
+        if len(ids) + len(tokens) > window:
+            windows.append((ids, spans))
+            ids, spans = [bos], []
+        spans.append((len(ids), len(ids) + len(tokens), index))
+        ids = ids + tokens
+    windows.append((ids, spans))
+    if len(windows) > max_windows:
+        windows = windows[: max_windows // 2] + windows[-(max_windows - max_windows // 2):]
+    return windows
 
 
 def _rms(x: Any, weight: Any, eps: float) -> Any:

@@ -41,7 +41,8 @@ from loopstack.plugins.parallel_safety.bench.dataset import (
 from loopstack.plugins.parallel_safety.heads import CalibratedHeads, Head, sigmoid
 
 HEAD_CONTENT = {JAILBREAK: USER, INJECTION: TOOL}  # what each head is fitted and calibrated on
-HEAD_FEATURES = {JAILBREAK: "hidden_states", INJECTION: "segments"}
+HEAD_FEATURES = {JAILBREAK: "hidden_states", INJECTION: "pieces"}
+ROW_FEATURES = ("segments", "pieces")  # a text's features are rows, and it scores its worst row
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {USER: (JAILBREAK,), TOOL: (INJECTION,), OUTPUT: ()}
 L2_GRID = (1e-1, 1e-2, 1e-3)
 
@@ -56,21 +57,24 @@ class Labelled:
     source: np.ndarray
     split: np.ndarray
     attack: np.ndarray
-    segments: list[np.ndarray] | None = None  # [S_i, F'] segment features of each text (outside content)
-    payloads: list[np.ndarray] | None = None  # [P_i, F'] segment features of what an injected text had put in
+    segments: list[np.ndarray] | None = None  # [S_i, F'] row features of each text (outside content)
+    payloads: list[np.ndarray] | None = None  # [P_i, F'] rows of what an injected text had put in
+    row_features: str = "pieces"  # what the rows are: "pieces" (in-context hidden states) or "segments" (MiniLM)
 
     @classmethod
     def of(cls, examples: Sequence[Example], x: np.ndarray, segments: list[np.ndarray] | None = None,
-           payloads: list[np.ndarray] | None = None) -> Labelled:
+           payloads: list[np.ndarray] | None = None, row_features: str = "pieces") -> Labelled:
         def column(name: str) -> np.ndarray:
             return np.array([getattr(e, name) for e in examples])
 
         return cls(np.asarray(x, dtype=np.float64), column("category"), column("content"), column("source"),
-                   column("split"), column("attack"), segments, payloads)
+                   column("split"), column("attack"), segments, payloads, row_features)
 
     def features_of(self, category: str) -> str:
-        """The features a head of ``category`` is fitted on here (segments when there are any)."""
-        return HEAD_FEATURES[category] if self.segments is not None else "hidden_states"
+        """The features a head of ``category`` is fitted on here (its rows when there are any)."""
+        if self.segments is None or HEAD_FEATURES[category] not in ROW_FEATURES:
+            return "hidden_states"
+        return self.row_features
 
     def rows(self, *, split: str | None = None, content: str | None = None, category: str | None = None,
              without_source: str | None = None) -> np.ndarray:
@@ -154,7 +158,7 @@ def platt(z: np.ndarray, y: np.ndarray, steps: int = 500) -> tuple[float, float]
 
 def text_logits(head: Head, data: Labelled, rows: np.ndarray) -> np.ndarray:
     """Raw logits of the texts of ``rows`` (a segment head: each text's highest segment)."""
-    if head.features != "segments":
+    if head.features not in ROW_FEATURES:
         return head.logit(data.x[rows])
     assert data.segments is not None
     return np.array([head.text_logit(data.segments[i]) for i in np.flatnonzero(rows)])
@@ -169,7 +173,7 @@ def _fit_head(data: Labelled, category: str, fit: np.ndarray, l2: float) -> Head
     content = HEAD_CONTENT[category]
     sel = fit & (data.content == content) & np.isin(data.category, (BENIGN, category))
     features = data.features_of(category)
-    if features == "segments":
+    if features in ROW_FEATURES:
         # rows are segments: every segment of a clean text against the segments of the payloads
         assert data.segments is not None and data.payloads is not None
         benign = [i for i in np.flatnonzero(sel) if data.category[i] == BENIGN]
@@ -194,8 +198,8 @@ def _calibrated(head: Head, data: Labelled, calibration: np.ndarray) -> Head:
     calibrated = Head(head.category, head.mean, head.std, head.coef, head.intercept, (a, b), features=head.features)
     benign: dict[str, dict[str, np.ndarray]] = {}
     rows = calibration & (data.category == BENIGN)
-    if head.features == "segments":
-        rows &= data.content != USER  # segment features exist for outside content and outputs only
+    if head.features in ROW_FEATURES:
+        rows &= data.content != USER  # row features exist for outside content and outputs only
     for content, source in sorted(set(zip(data.content[rows].tolist(), data.source[rows].tolist()))):
         sel = rows & (data.content == content) & (data.source == source)
         benign.setdefault(content, {})[source] = np.sort(text_probabilities(calibrated, data, sel))
@@ -352,3 +356,83 @@ def segment_arrays(examples: Sequence[Example], features: Any, cache: Path | Non
         return vectors[[index[s] for s in group]] if group else np.zeros((0, vectors.shape[1]), dtype=np.float32)
 
     return [rows(g) for g in docs], [rows(g) for g in payloads]
+
+
+def piece_arrays(examples: Sequence[Example], features: Any, cache: Path | None) -> tuple[list[np.ndarray],
+                                                                                        list[np.ndarray]]:
+    """In-context piece features (:meth:`~.features.HiddenStateFeatures.pieces`) of every text
+    that is not a user turn, and, of an injected text, the rows of its pieces that are its
+    payload's (what the head is fitted to find: the payload as read inside its carrier)."""
+    from loopstack.plugins.parallel_safety.features import PieceFeatures, scored
+    from loopstack.plugins.parallel_safety.features import pieces as split_pieces
+
+    texts = [e.text for e in examples if e.content != USER]
+    known = cached_rows(texts, features.pieces, cache)
+    docs, payloads = [], []
+    for e in examples:
+        if e.content == USER:
+            docs.append(np.zeros((0, 1), dtype=np.float32))
+            payloads.append(np.zeros((0, 1), dtype=np.float32))
+            continue
+        texts_of = split_pieces(e.text)
+        kept_rows = scored(PieceFeatures(*known[text_key(e.text)]), texts_of)  # as the guard scores them
+        rows, kept = kept_rows.rows, kept_rows.kept
+        docs.append(rows)
+        if e.payload:
+            prose = _outside_code_fences(texts_of)
+            mask = [prose[k] and len(texts_of[k].strip()) >= 4 and texts_of[k].strip() in e.payload for k in kept]
+            payloads.append(rows[np.array(mask, dtype=bool)] if any(mask) else rows[:0])
+        else:
+            payloads.append(rows[:0])
+    return docs, payloads
+
+
+def _outside_code_fences(texts: Sequence[str]) -> list[bool]:
+    """Whether each piece is prose, not a line of a fenced code block (or its fence): the code
+    that a BIPIA code attack asks to be put in is not what makes it one (the request around it
+    is), and a head fitted on its lines takes every line of code for an injection."""
+    out, inside = [], False
+    for text in texts:
+        fence = text.strip().startswith("```")
+        out.append(not inside and not fence)
+        if fence:
+            inside = not inside
+    return out
+
+
+def cached_rows(texts: Sequence[str], extract: Callable[[str], Any], cache: Path | None,
+                desc: str = "pieces") -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
+    """``text_key -> (rows, kept)`` of each text's :class:`~.features.PieceFeatures`, from and
+    into ``cache`` (rows as float16, saved every ~200 texts so an interrupted run resumes)."""
+    from tqdm import tqdm
+
+    known: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
+    if cache is not None and cache.exists():
+        with np.load(cache, allow_pickle=False) as data:
+            bounds, kept_bounds = data["offsets"], data["kept_offsets"]
+            for i, key in enumerate(data["keys"].tolist()):
+                known[key] = (data["rows"][bounds[i]:bounds[i + 1]].astype(np.float32),
+                              tuple(data["kept"][kept_bounds[i]:kept_bounds[i + 1]].tolist()))
+    todo = list({text_key(t): t for t in texts if text_key(t) not in known}.items())
+
+    def save() -> None:
+        if cache is None:
+            return
+        keys = list(known)
+        sizes = [len(known[k][0]) for k in keys]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(cache, keys=np.array(keys), rows=np.concatenate([known[k][0] for k in keys]).astype(np.float16),
+                 offsets=np.concatenate([[0], np.cumsum(sizes)]),
+                 kept=np.array([i for k in keys for i in known[k][1]], dtype=np.int32),
+                 kept_offsets=np.concatenate([[0], np.cumsum([len(known[k][1]) for k in keys])]))
+
+    with tqdm(total=len(todo), desc=desc, unit="text", file=sys.stderr, mininterval=10, disable=not todo) as bar:
+        for n, (key, text) in enumerate(todo):
+            result = extract(text)
+            known[key] = (np.asarray(result.rows, dtype=np.float32), tuple(result.kept))
+            bar.update(1)
+            if n % 200 == 199:
+                save()
+    if todo:
+        save()
+    return known

@@ -64,7 +64,7 @@ class Head:
     intercept: float
     platt: tuple[float, float]  # (a, b)
     benign: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # content -> source -> benign scores
-    features: str = "hidden_states"  # or "segments": x is [segments, F] and a text scores its worst segment
+    features: str = "hidden_states"  # or "pieces"/"segments": x is [rows, F] and a text scores its worst row
 
     def logit(self, x: np.ndarray) -> np.ndarray:
         """Raw logits of feature rows ``x`` (``[F]`` or ``[N, F]``)."""
@@ -73,7 +73,7 @@ class Head:
     def text_logit(self, x: np.ndarray) -> float:
         """The raw logit of one text's features: its vector's, or its highest segment's."""
         z = self.logit(x)
-        return float(np.max(z)) if self.features == "segments" else float(z)
+        return float(np.max(z)) if self.features in ("pieces", "segments") else float(z)
 
     def probability(self, x: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of feature rows (of texts, for a hidden-state head)."""

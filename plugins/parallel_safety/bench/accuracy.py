@@ -48,6 +48,7 @@ from loopstack.plugins.parallel_safety.fitting import (
     cached_features,
     flags,
     leave_one_source_out,
+    piece_arrays,
     rate,
     segment_arrays,
 )
@@ -113,8 +114,13 @@ def dataset(classifier: Any, patterns: Any, data_dir: Path, *, cache: Path = FEA
     features = classifier.features
     print("safety accuracy: features of the labelled set (cached in " f"{cache})", file=sys.stderr)
     x = cached_features([e.text for e in examples], lambda texts: [features(t) for t in texts], cache)
-    segments, payloads = segment_arrays(examples, classifier.segment_features, cache.with_suffix(".segments.npz"))
-    data = Labelled.of(examples, x, segments, payloads)
+    row_kinds = {h.features for h in classifier.heads.heads.values()} & {"pieces", "segments"}
+    kind = "segments" if row_kinds == {"segments"} else "pieces"
+    if kind == "pieces":
+        rows, payloads = piece_arrays(examples, features, cache.with_suffix(".pieces.npz"))
+    else:
+        rows, payloads = segment_arrays(examples, classifier.segment_features, cache.with_suffix(".segments.npz"))
+    data = Labelled.of(examples, x, rows, payloads, kind)
     heads, target = classifier.heads, classifier.max_false_positive_rate
     out: dict[str, float] = {}
     chosen = heads.report.get("heads", {})

@@ -12,13 +12,16 @@ kind of content for what can go wrong with it:
   (``inspect-evals``);
 * ``tool`` (content entering the context from outside: tool outputs, search results,
   documents, tool descriptions): positives are payloads inserted, as BIPIA builds them
-  (start, middle or end), into four carriers: BIPIA e-mails, SWE-bench agent command
-  outputs, ToolBench API responses and MCP tool descriptions. Fit and calibration payloads
+  (start, middle or end), into six carriers: BIPIA e-mails, SWE-bench agent command
+  outputs, ToolBench API responses, MCP tool descriptions, and (with ``inspect-evals``)
+  GDM's stealth-evaluation e-mails, and Python source files (the standard library's). Fit and calibration payloads
   are BIPIA's train attack strings, and user requests and jailbreaks of the same split (an
   injection is a request to the assistant hidden in data); test payloads are BIPIA's test
   attack strings only, other families than the train ones. ``inspect-evals``' coding-agent
-  injection set (issues and files of a repository) is test-only. Negatives are the clean
-  carriers plus API documentation (Gorilla) and biomedical tool descriptions (ToolUniverse);
+  injection set (issues and files of a repository) and AgentDojo's records carrying its
+  ``important_instructions`` attack (:mod:`.agentdojo`) are test-only. Negatives are the
+  clean carriers plus API documentation (Gorilla), biomedical tool descriptions
+  (ToolUniverse) and AgentDojo's tool data with its injection vectors at their defaults;
 * ``output`` (assistant text): negatives only: mini-swe-agent's assistant turns, ToolBench
   final answers, BIPIA's ideal answers. No labelled harmful outputs exist here, so output
   checks are measured for false positives only.
@@ -232,11 +235,68 @@ def _tool_content(data_dir: Path) -> dict[str, list[str]]:
     tooluniverse = [json.dumps(t, ensure_ascii=False) for p in sorted((data_dir / "tooluniverse").glob("*.json"))
                     for t in json.loads(p.read_text())]
     return {"bipia-email": emails, "swebench-observation": swebench, "toolbench-observation": toolbench,
-            "mcp-tool": mcp, "apibench-doc": docs, "tooluniverse-tool": tooluniverse}
+            "mcp-tool": mcp, "apibench-doc": docs, "tooluniverse-tool": tooluniverse,
+            "source-file": source_files()} | _inspect_evals_tool_content()
+
+
+def _inspect_evals_tool_content() -> dict[str, list[str]]:
+    """Tool data that ``inspect-evals`` ships: AgentDojo's records with every injection vector at
+    its default (:mod:`.agentdojo`), and the e-mails of GDM's stealth evaluation, as a mail tool
+    lists them."""
+    root = _inspect_evals_dir()
+    if root is None:
+        return {}
+    from loopstack.plugins.parallel_safety.bench import agentdojo
+
+    records, defaults = agentdojo.records(root)
+    csv.field_size_limit(1 << 26)
+    with open(root / "gdm_stealth/solver/cover_your_tracks/email.csv", newline="") as f:
+        mails = [f"From: {row['from']}\nTo: {row['to']}\nDate: {row['time']}\nSubject: {row['subject']}\n\n{row['content']}"
+                 for row in csv.DictReader(f)]
+    return {"agentdojo-record": [agentdojo.fill(r, defaults[r.suite]) for r in records], "gdm-email": mails}
+
+
+def source_files(chars: int = CARRIER_CHARS) -> list[str]:
+    """Python source as a coding agent reads it (``cat``, ``sed -n``): the first ``chars``
+    characters of the modules of this interpreter's standard library (PSF license; its test
+    suite, IDLE and vendored packages left out)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("test", "idlelib", "lib2to3", "ensurepip", "site-packages", "dist-packages", "turtledemo")
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(part.startswith(skip) for part in parts):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        if len(text) >= 200:
+            out.append(text[:chars])
+    return out
+
+
+def agentdojo_injections(rng: random.Random, per_record: int = 3) -> list[tuple[str, str, str]]:
+    """(text, family, payload) of AgentDojo records carrying its ``important_instructions``
+    attack in one of their vectors, ``per_record`` of the suite's goals each (test only)."""
+    root = _inspect_evals_dir()
+    if root is None:
+        return []
+    from loopstack.plugins.parallel_safety.bench import agentdojo
+
+    records, defaults = agentdojo.records(root)
+    goals = {suite: agentdojo.goals(root, suite) for suite in agentdojo.SUITES}
+    out = []
+    for record in records:
+        for vector in record.vectors:
+            for goal in rng.sample(goals[record.suite], min(per_record, len(goals[record.suite]))):
+                attack = agentdojo.important_instructions(goal)
+                out.append((agentdojo.fill(record, defaults[record.suite], vector, attack),
+                            f"agentdojo/{record.suite}", attack))
+    return out
 
 
 TASK_SOURCES = ("metatool", "bfcl", "apibench", "toolbench", "swe-lancer")  # requests a payload may be
-CARRIERS = ("bipia-email", "swebench-observation", "toolbench-observation", "mcp-tool")
+CARRIERS = ("bipia-email", "swebench-observation", "toolbench-observation", "mcp-tool", "gdm-email", "source-file")
 
 
 def bipia_attacks(data_dir: Path, split: str) -> list[tuple[str, str]]:
@@ -300,7 +360,7 @@ def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURC
     requests = {split: [e.text for e in examples if e.content == USER and e.split == split and e.category == BENIGN
                         and e.source in TASK_SOURCES and 30 <= len(e.text) < 600] for split in SPLITS}
     jailbreaks = {split: [e.text for e in examples if e.category == JAILBREAK and e.split == split] for split in SPLITS}
-    for carrier in CARRIERS:
+    for carrier in (c for c in CARRIERS if c in tool):  # gdm-email: when inspect-evals is installed
         contexts = _sample(tool[carrier], rng, per_source)
         held: list[str] = []
         for context, split in _splits(contexts, rng):
@@ -321,6 +381,8 @@ def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURC
         for attack, family in test_attacks:
             text = inject(rng.choice(carriers)[:CARRIER_CHARS], attack, rng)
             examples.append(Example(text, INJECTION, TOOL, carrier, "test", family, attack))
+    examples += [Example(text, INJECTION, TOOL, "agentdojo-record", "test", family, payload)
+                 for text, family, payload in agentdojo_injections(rng)]
     for text, family in ipi_coding_agent():
         examples.append(Example(text, INJECTION if family else BENIGN, TOOL, "ipi-coding-agent", "test", family))
     for source, texts in _outputs(data_dir).items():

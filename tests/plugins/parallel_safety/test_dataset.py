@@ -51,3 +51,28 @@ def test_the_set_is_deterministic():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA}; skipping")
     assert build_examples(SHARED_DATA)[:50] == build_examples(SHARED_DATA)[:50]
+
+
+def test_agentdojo_records_fill_their_vectors_and_its_attacks_are_test_only(examples):
+    import re
+
+    from loopstack.plugins.parallel_safety.bench import agentdojo
+    from loopstack.plugins.parallel_safety.bench.dataset import _inspect_evals_dir
+
+    root = _inspect_evals_dir()
+    if root is None:
+        pytest.skip("inspect-evals is not installed (make install installs it data-only)")
+    records, defaults = agentdojo.records(root)
+    assert len(records) > 100 and {r.suite for r in records} == set(agentdojo.SUITES)
+    carrying = [r for r in records if r.vectors]
+    assert carrying
+    for record in carrying:
+        benign = agentdojo.fill(record, defaults[record.suite])
+        assert not any("{" + name + "}" in benign for name in record.vectors)
+    for suite in agentdojo.SUITES:
+        goals = agentdojo.goals(root, suite)
+        assert goals and not any(re.search(r"\{_?[A-Z_]+\}", g) for g in goals), suite  # constants filled in
+    injected = [e for e in examples if e.attack.startswith("agentdojo/")]
+    assert injected and all(e.split == "test" and "<INFORMATION>" in e.text and e.payload in e.text for e in injected)
+    benign = {e.text for e in examples if e.source == "agentdojo-record" and e.category == BENIGN}
+    assert benign and not any("<INFORMATION>" in t for t in benign)
