@@ -6,8 +6,9 @@ return it (YAML), and its prompt-injection tasks as AgentDojo attacks with them.
 Every record that carries an injection vector (a ``{name}`` placeholder the suite's
 ``injection_vectors.yaml`` lists) is benign with the vector's default text, and injected
 with the suite's ``important_instructions`` attack (its template, signed by the suite's
-user) around each of the suite's injection-task goals. Only ever measured on: a family
-of attacks and a kind of tool data that nothing is fitted on.
+user) around each of the suite's injection-task goals. The benign records are a benign
+source like any other (split fit / calibration / test); the injected ones are test only, an
+attack family nothing is fitted on, put into records whose clean versions may be in the fit.
 """
 
 from __future__ import annotations
