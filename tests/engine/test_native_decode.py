@@ -150,6 +150,33 @@ def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
         torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
+    (4, 4, 64), (8, 4, 64), (12, 3, 64), (24, 3, 64), (10, 2, 64), (16, 2, 128), (6, 1, 256), (6, 2, 32),
+], ids=["group-1", "group-2", "group-4", "group-8", "group-5", "group-8-dim-128", "group-6-dim-256", "group-3-dim-32"])
+def test_the_query_heads_of_a_kv_group_attend_together_for_any_group_size(num_heads, num_kv_heads, head_dim):
+    """A KV group's query heads read each key and value together, a few heads a pass (4, 3, 2 or
+    1, by the group and head size): every split is softmax attention with shared KV heads."""
+    ext = load_extension()
+    torch.manual_seed(1)
+    block_size, num_blocks = 16, 24
+    kv = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)
+    q = torch.randn(3, num_heads, head_dim)
+    lengths = [5, 200, 300]
+    tables = torch.randperm(num_blocks).view(1, -1)
+    scale = head_dim ** -0.5
+    together = ext.attend_rows(q, kv, tables, lengths, [3], -1, block_size, scale)
+    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, block_size, scale)
+                       for j in range(3)])
+    assert torch.equal(together, alone)
+    blocks = kv.view(2, num_blocks, block_size, num_kv_heads, head_dim)[:, tables[0]]
+    k, v = blocks.reshape(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Hkv, C, D]
+    group = num_heads // num_kv_heads
+    for j, length in enumerate(lengths):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[j].view(num_kv_heads, group, head_dim), k[:, :length], v[:, :length], scale=scale).reshape(-1)
+        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 48], ids=["vectorized-64", "generic-48"])
 def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim):
     """Contexts longer than a span (256 positions) are attended span by span and merged; the

@@ -55,46 +55,7 @@ float exp_in_place(float* x, int64_t n, float top) {
   return total;
 }
 
-#ifdef __AVX512F__
-// One query against `count` keys `stride` floats apart, the query in registers: out[i] = q . k_i * scale.
-template <int C>  // head_dim = 16 * C
-void score_run(const float* query, const float* key, int64_t stride, int64_t count, float scale, float* out) {
-  __m512 q[C];
-  for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
-  for (int64_t i = 0; i < count; ++i, key += stride) {
-    __m512 a = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
-    __m512 b = C > 1 ? _mm512_mul_ps(q[1], _mm512_loadu_ps(key + 16)) : _mm512_setzero_ps();
-    for (int c = 2; c < C; c += 2) {
-      a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), a);
-      if (c + 1 < C) b = _mm512_fmadd_ps(q[c + 1], _mm512_loadu_ps(key + 16 * (c + 1)), b);
-    }
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-  }
-}
-
-// acc += sum_i weights[i] * v_i over `count` values `stride` floats apart, two positions at a time
-// into two sets of registers.
-template <int C>
-void value_run(const float* weights, const float* value, int64_t stride, int64_t count, float* acc) {
-  __m512 a[C], b[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c), b[c] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 2 <= count; i += 2, value += 2 * stride) {
-    const __m512 w0 = _mm512_set1_ps(weights[i]), w1 = _mm512_set1_ps(weights[i + 1]);
-    for (int c = 0; c < C; ++c) {
-      a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(value + 16 * c), a[c]);
-      b[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(value + stride + 16 * c), b[c]);
-    }
-  }
-  if (i < count) {
-    const __m512 w0 = _mm512_set1_ps(weights[i]);
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(value + 16 * c), a[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
-}
-#endif
-
-// The same for any head_dim, with dot() and axpy().
+// One head at a time for any head_dim, with dot() and axpy().
 void score_run_any(const float* query, const float* key, int64_t stride, int64_t count, int64_t dim, float scale,
                    float* out) {
   for (int64_t i = 0; i < count; ++i, key += stride) out[i] = dot(query, key, dim) * scale;
@@ -104,31 +65,80 @@ void value_run_any(const float* weights, const float* value, int64_t stride, int
   for (int64_t i = 0; i < count; ++i, value += stride) axpy(weights[i], value, acc, dim);
 }
 
-using ScoreRun = void (*)(const float*, const float*, int64_t, int64_t, float, float*);
-using ValueRun = void (*)(const float*, const float*, int64_t, int64_t, float*);
+#ifdef __AVX512F__
+// The same for all G query heads of a KV group at once: each key (and value) is loaded once for the
+// G heads, which keep their queries (and outputs) in registers. out and weights: G rows `ld` apart.
+template <int C, int G>
+void score_group(const float* queries, const float* key, int64_t stride, int64_t count, float scale, float* out,
+                 int64_t ld) {
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(queries + g * 16 * C + 16 * c);
+  auto partial = [&](const float* k_row, int g) {  // the 16 lanes whose sum is q_g . k
+    __m512 a = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(k_row));
+    __m512 b = C > 1 ? _mm512_mul_ps(q[g][1], _mm512_loadu_ps(k_row + 16)) : _mm512_setzero_ps();
+    for (int c = 2; c < C; c += 2) {
+      a = _mm512_fmadd_ps(q[g][c], _mm512_loadu_ps(k_row + 16 * c), a);
+      if (c + 1 < C) b = _mm512_fmadd_ps(q[g][c + 1], _mm512_loadu_ps(k_row + 16 * (c + 1)), b);
+    }
+    return _mm512_add_ps(a, b);
+  };
+  for (int64_t i = 0; i < count; ++i, key += stride)
+    for (int g = 0; g < G; ++g) out[g * ld + i] = _mm512_reduce_add_ps(partial(key, g)) * scale;
+}
+
+template <int C, int G>
+void value_group(const float* weights, int64_t ld, const float* value, int64_t stride, int64_t count, float* acc) {
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + 16 * c);
+  for (int64_t i = 0; i < count; ++i, value += stride) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[g * ld + i]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + 16 * c, a[g][c]);
+}
+#endif
+
+using ScoreGroup = void (*)(const float*, const float*, int64_t, int64_t, float, float*, int64_t);
+using ValueGroup = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
 
 struct Runs {
-  ScoreRun score = nullptr;  // null: the *_any versions
-  ValueRun value = nullptr;
+  ScoreGroup score = nullptr;  // null: one head at a time with dot() and axpy()
+  ValueGroup value = nullptr;
+  int64_t heads = 1;  // query heads each call covers
 };
 
-Runs runs_for(int64_t dim) {
+#ifdef __AVX512F__
+template <int C>
+Runs group_runs(int64_t group) {
+  // up to 4 heads of a group a call keep queries and outputs in registers (4 x C of 32)
+  if (group % 4 == 0 && C <= 4) return {score_group<C, 4>, value_group<C, 4>, 4};
+  if (group % 3 == 0 && C <= 4) return {score_group<C, 3>, value_group<C, 3>, 3};
+  if (group % 2 == 0 && C <= 8) return {score_group<C, 2>, value_group<C, 2>, 2};
+  return {score_group<C, 1>, value_group<C, 1>, 1};
+}
+#endif
+
+Runs runs_for(int64_t dim, int64_t group) {
 #ifdef __AVX512F__
   switch (dim) {
-    case 32: return {score_run<2>, value_run<2>};
-    case 64: return {score_run<4>, value_run<4>};
-    case 128: return {score_run<8>, value_run<8>};
-    case 256: return {score_run<16>, value_run<16>};
+    case 32: return group_runs<2>(group);
+    case 64: return group_runs<4>(group);
+    case 128: return group_runs<8>(group);
+    case 256: return group_runs<16>(group);
     default: break;
   }
 #endif
-  (void)dim;
+  (void)dim, (void)group;
   return {};
 }
 
-// A context is cut into spans of this many positions, each attended on its own and merged after
-// (as flash-decoding does): long contexts spread over every thread, and the cut depends on the
-// context length only, so a row's bits do not depend on the batch or the thread count.
 constexpr int64_t kSpan = 256;
 
 struct SpanItem {
@@ -151,7 +161,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
   }
   first_item[s.batch] = static_cast<int64_t>(items.size());
   // per item and query head of its group: the span's top score, its weights' sum, its weighted values
-  const Runs runs = runs_for(dim);
+  const Runs runs = runs_for(dim, group);
   std::vector<float> tops(items.size() * group), sums(items.size() * group), accs(items.size() * group * dim);
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
@@ -159,8 +169,8 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
       const SpanItem& item = items[index];
       const int64_t length = item.end - item.begin;
       const int64_t* blocks = table + row_seq[item.row] * s.table_width;
-      // the span in runs of consecutive slots (one table lookup per block); a group's query heads
-      // read each run in turn while it is in cache
+      // the span in runs of consecutive slots (one table lookup per block); the query heads of
+      // the KV group read each key and value together
       auto for_each_run = [&](auto&& body) {
         for (int64_t p = item.begin; p < item.end;) {
           const int64_t offset = p % s.block_size;
@@ -178,18 +188,23 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
       float* sum = sums.data() + index * group;
       float* acc = accs.data() + index * group * dim;
       std::fill(acc, acc + group * dim, 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* head_scores = scores.data() + g * length;
-        const float* query = queries + g * dim;
+      for (int64_t g0 = 0; g0 < group; g0 += runs.heads) {
+        float* head_scores = scores.data() + g0 * length;  // runs.heads rows of `length`
+        const float* query = queries + g0 * dim;
         for_each_run([&](int64_t p, int64_t slot, int64_t count) {
-          if (runs.score != nullptr) runs.score(query, keys + slot * slot_stride, slot_stride, count, s.scale, head_scores + p);
+          if (runs.score != nullptr)
+            runs.score(query, keys + slot * slot_stride, slot_stride, count, s.scale, head_scores + p, length);
           else score_run_any(query, keys + slot * slot_stride, slot_stride, count, dim, s.scale, head_scores + p);
         });
-        top[g] = *std::max_element(head_scores, head_scores + length);
-        sum[g] = exp_in_place(head_scores, length, top[g]);
+        for (int64_t g = g0; g < g0 + runs.heads; ++g) {
+          float* row_scores = scores.data() + g * length;
+          top[g] = *std::max_element(row_scores, row_scores + length);
+          sum[g] = exp_in_place(row_scores, length, top[g]);
+        }
         for_each_run([&](int64_t p, int64_t slot, int64_t count) {
-          if (runs.value != nullptr) runs.value(head_scores + p, values + slot * slot_stride, slot_stride, count, acc + g * dim);
-          else value_run_any(head_scores + p, values + slot * slot_stride, slot_stride, count, dim, acc + g * dim);
+          if (runs.value != nullptr)
+            runs.value(head_scores + p, length, values + slot * slot_stride, slot_stride, count, acc + g0 * dim);
+          else value_run_any(head_scores + p, values + slot * slot_stride, slot_stride, count, dim, acc + g0 * dim);
         });
       }
     }

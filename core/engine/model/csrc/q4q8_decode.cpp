@@ -51,7 +51,15 @@ void rms_norm(const float* x, int64_t batch, int64_t size, const float* scaled_w
   for (int64_t r = 0; r < batch; ++r) {
     const float* row = x + r * size;
     const float denominator = std::hypot(std::sqrt(dot(row, row, size)), eps_term);
-    for (int64_t i = 0; i < size; ++i) h[r * size + i] = row[i] * scaled_weight[i] / denominator;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 denominators = _mm512_set1_ps(denominator);
+    for (; i + 16 <= size; i += 16) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(scaled_weight + i));
+      _mm512_storeu_ps(h + r * size + i, _mm512_div_ps(scaled, denominators));
+    }
+#endif
+    for (; i < size; ++i) h[r * size + i] = row[i] * scaled_weight[i] / denominator;
   }
 }
 
@@ -127,7 +135,9 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
         float* v = row + head * head_dim;
         const float* c = cos_data + (r * qkv_heads + head) * head_dim;
         const float* s = sin_data + (r * qkv_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) rotated[d] = v[d] * c[d] + v[(d + half) % head_dim] * s[d];
+        // rotate_half: the first half pairs with the second and the second with the first
+        for (int64_t d = 0; d < half; ++d) rotated[d] = v[d] * c[d] + v[d + half] * s[d];
+        for (int64_t d = half; d < head_dim; ++d) rotated[d] = v[d] * c[d] + v[d - half] * s[d];
         std::copy(rotated.begin(), rotated.end(), v);
       }
       std::copy(row + num_heads * head_dim, row + (num_heads + num_kv_heads) * head_dim, k_cache + slot[r] * kv_size);

@@ -66,7 +66,7 @@ void tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t row = r0 + i;
       // the group's 32 high digits, then its 32 low ones
@@ -172,6 +172,8 @@ template <int Bits>
 void tiles_of(const QuantizedRows& q, const uint8_t* wt, const at::Half* dt, int64_t groups, float* ot, int64_t n) {
   const int64_t m = q.rows;
   int64_t r = 0;
+  // eight rows a pass where there are: the tile's codes are unpacked once for all of them
+  for (; r + 8 <= m; r += 8) tile_rows<Bits, 8>(wt, dt, q, r, groups, ot + r * n, n);
   for (; r + 4 <= m; r += 4) tile_rows<Bits, 4>(wt, dt, q, r, groups, ot + r * n, n);
   switch (m - r) {
     case 3: tile_rows<Bits, 3>(wt, dt, q, r, groups, ot + r * n, n); break;
