@@ -117,10 +117,14 @@ struct Runs {
 #ifdef __AVX512F__
 template <int C>
 Runs group_runs(int64_t group) {
-  // up to 4 heads of a group a call keep queries and outputs in registers (4 x C of 32)
-  if (group % 4 == 0 && C <= 4) return {score_group<C, 4>, value_group<C, 4>, 4};
-  if (group % 3 == 0 && C <= 4) return {score_group<C, 3>, value_group<C, 3>, 3};
-  if (group % 2 == 0 && C <= 8) return {score_group<C, 2>, value_group<C, 2>, 2};
+  // as many heads of the group a call as keep their queries and outputs in registers (G x C of 32)
+  if constexpr (C <= 4) {
+    if (group % 4 == 0) return {score_group<C, 4>, value_group<C, 4>, 4};
+    if (group % 3 == 0) return {score_group<C, 3>, value_group<C, 3>, 3};
+  }
+  if constexpr (C <= 8) {
+    if (group % 2 == 0) return {score_group<C, 2>, value_group<C, 2>, 2};
+  }
   return {score_group<C, 1>, value_group<C, 1>, 1};
 }
 #endif
@@ -139,6 +143,9 @@ Runs runs_for(int64_t dim, int64_t group) {
   return {};
 }
 
+// A context is cut into spans of this many positions, each attended on its own and merged after
+// (as flash-decoding does): long contexts spread over every thread, and the cut depends on the
+// context length only, so a row's bits do not depend on the batch or the thread count.
 constexpr int64_t kSpan = 256;
 
 struct SpanItem {
