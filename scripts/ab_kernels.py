@@ -29,14 +29,6 @@ from loopstack.engine.model import extension, quant
 CSRC = "core/engine/model/csrc"
 
 
-def build(source: Path, name: str) -> Any:
-    from torch.utils.cpp_extension import load
-
-    return load(name=name, sources=[str(source / path.name) for path in extension.SOURCES],
-                extra_include_paths=[str(source)], extra_cflags=["-O2", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-
-
 def checkout(rev: str, into: Path) -> Path:
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
@@ -71,8 +63,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as folder:
-        old = build(checkout(args.against, Path(folder)), "ab_kernels_old")
-        new = build(Path(__file__).resolve().parents[1] / CSRC, "ab_kernels_new")
+        old = extension.compile_kernels(checkout(args.against, Path(folder)), "ab_kernels_old")
+        new = extension.compile_kernels(name="ab_kernels_new")
         num_heads, num_kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30  # SmolLM2-135M
         for batch, context in ((1, 160), (1, 2048), (8, 160), (8, 512)):
             num_blocks = -(-context // block_size)

@@ -133,21 +133,32 @@ def test_it_applies_only_where_it_is_exact():
     assert copy.deepcopy(native).native_decoder is None  # a copy must not run the original's weights
 
 
-def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
+def attend_each_row(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lengths: list[int], block_size: int,
+                    scale: float) -> None:
+    """``attend_rows`` of every row of one sequence together, asserting that each row's result is
+    the same bits as attending it alone and is softmax attention over its context (KV heads
+    shared by groups of query heads)."""
     ext = load_extension()
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = kv.shape[2]
+    together = ext.attend_rows(q, kv, tables, lengths, [rows], -1, block_size, scale)
+    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, block_size, scale)
+                       for j in range(rows)])
+    assert torch.equal(together, alone)  # bit for bit
+    blocks = kv.view(2, -1, block_size, num_kv_heads, head_dim)[:, tables[0]]
+    k, v = blocks.reshape(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Hkv, C, D]
+    for j, length in enumerate(lengths):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[j].view(num_kv_heads, num_heads // num_kv_heads, head_dim), k[:, :length], v[:, :length],
+            scale=scale).reshape(-1)
+        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
     kv = torch.randn(2, 20 * 4, 3, 16)  # [2, slots, Hkv, D]
     q = torch.randn(5, 6, 16)  # 5 rows of one sequence, 6 heads
     tables = torch.randperm(20).view(1, -1)
-    lengths = [60 + j for j in range(5)]
-    together = ext.attend_rows(q, kv, tables, lengths, [5], -1, 4, 0.25)
-    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, 4, 0.25) for j in range(5)])
-    assert torch.equal(together, alone)  # bit for bit
-    blocks = kv.view(2, 20, 4, 3, 16)[:, tables[0]].reshape(2, -1, 3, 16)
-    k, v = blocks.transpose(1, 2)  # [Hkv, C, D]
-    for j, length in enumerate(lengths):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q[j].view(3, 2, 16), k[:, :length], v[:, :length], scale=0.25).reshape(-1)
-        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+    attend_each_row(q, kv, tables, [60 + j for j in range(5)], 4, 0.25)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
@@ -156,25 +167,12 @@ def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
 def test_the_query_heads_of_a_kv_group_attend_together_for_any_group_size(num_heads, num_kv_heads, head_dim):
     """A KV group's query heads read each key and value together, a few heads a pass (4, 3, 2 or
     1, by the group and head size): every split is softmax attention with shared KV heads."""
-    ext = load_extension()
     torch.manual_seed(1)
     block_size, num_blocks = 16, 24
     kv = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)
     q = torch.randn(3, num_heads, head_dim)
-    lengths = [5, 200, 300]
     tables = torch.randperm(num_blocks).view(1, -1)
-    scale = head_dim ** -0.5
-    together = ext.attend_rows(q, kv, tables, lengths, [3], -1, block_size, scale)
-    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, block_size, scale)
-                       for j in range(3)])
-    assert torch.equal(together, alone)
-    blocks = kv.view(2, num_blocks, block_size, num_kv_heads, head_dim)[:, tables[0]]
-    k, v = blocks.reshape(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Hkv, C, D]
-    group = num_heads // num_kv_heads
-    for j, length in enumerate(lengths):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q[j].view(num_kv_heads, group, head_dim), k[:, :length], v[:, :length], scale=scale).reshape(-1)
-        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+    attend_each_row(q, kv, tables, [5, 200, 300], block_size, head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 48], ids=["vectorized-64", "generic-48"])
@@ -190,16 +188,7 @@ def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim)
     lengths = [255, 256, 257, 700, 1030]
     tables = torch.randperm(num_blocks).view(1, -1)
     scale = head_dim ** -0.5
-    together = ext.attend_rows(q, kv, tables, lengths, [5], -1, block_size, scale)
-    alone = torch.cat([ext.attend_rows(q[j : j + 1], kv, tables, [lengths[j]], [1], -1, block_size, scale)
-                       for j in range(5)])
-    assert torch.equal(together, alone)
-    blocks = kv.view(2, num_blocks, block_size, 3, head_dim)[:, tables[0]].reshape(2, -1, 3, head_dim)
-    k, v = blocks.transpose(1, 2)  # [Hkv, C, D]
-    for j, length in enumerate(lengths):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q[j].view(3, 3, head_dim), k[:, :length], v[:, :length], scale=scale).reshape(-1)
-        torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
+    attend_each_row(q, kv, tables, lengths, block_size, scale)
     in_order = torch.arange(num_blocks).view(1, -1)
     paged = ext.attend_rows(q[4:], kv, in_order, [1030], [1], -1, block_size, scale)
     in_place = ext.attend_rows(q[4:], kv, in_order, [1030], [1], 0, block_size, scale)

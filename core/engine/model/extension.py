@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SOURCES", "has_q4q8", "load_extension", "q4q8_matmul"]
+__all__ = ["SOURCES", "compile_kernels", "has_q4q8", "load_extension", "q4q8_matmul"]
 
 log = logging.getLogger("loopstack.engine")
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -29,17 +29,23 @@ SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp"
 _NAME = "loopstack_kernels_v27"
 
 
+def compile_kernels(csrc: Path = _CSRC, name: str = _NAME) -> Any:
+    """Build (or take torch's cached build of) the kernels in ``csrc`` as module ``name``; raises
+    what the build raises. ``scripts/ab_kernels.py`` builds another commit's ``csrc/`` with it."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(csrc / source.name) for source in SOURCES], extra_include_paths=[str(csrc)],
+                # -fopenmp: torch's headers' parallel helpers are OpenMP pragmas (the kernels use spin_pool.cpp)
+                extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def load_extension() -> Any | None:
     """The compiled extension, or ``None`` (turned off, or the build failed: logged once)."""
     if os.environ.get("LOOPSTACK_NATIVE_DECODE", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name=_NAME, sources=[str(s) for s in SOURCES], extra_include_paths=[str(_CSRC)],
-                    # -fopenmp: torch's headers' parallel helpers are OpenMP pragmas (the kernels use spin_pool.cpp)
-                    extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return compile_kernels()
     except Exception as exc:  # a missing compiler or ninja, a failed build: torch's kernels still work
         log.warning("native kernels unavailable (%s: %s); decode uses torch's kernels and the Python layers",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
