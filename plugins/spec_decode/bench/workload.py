@@ -14,7 +14,10 @@ with the ``off`` column's (``identical``: the share that match).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
 ``k`` (num_speculative_tokens, 7), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
-(8; 0 for the whole model, the target as its own draft), ``draft_k`` (3).
+(8; 0 for the whole draft model), ``draft_k`` (3), ``model`` (the target: a built-in name, a .gguf
+file or a Hugging Face directory; the default model), ``draft_model`` (the draft, likewise; the
+target), ``device`` (auto: CUDA where torch sees one). On a GPU, a Hugging Face pair with a shared
+tokenizer: ``-o model=DIR -o draft_model=DIR -o draft_layers=0``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class SpecWorkload(Workload):
     async def setup(self, columns: list[str], stacks: list[Any], options: BenchOptions) -> None:
         from loopstack.engine.factory import build_engine
         from loopstack.engine.llm_engine import EngineOptions
+        from loopstack.engine.loaders import DEFAULT_MODEL
         from loopstack.plugins.spec_decode.config import SpecDecodeConfig
         from loopstack.plugins.spec_decode.plugin import build_spec
 
@@ -75,14 +79,18 @@ class SpecWorkload(Workload):
                 "max_batch_size": int(extra.get("max_batch_size", 4)),
                 "draft_layers": int(extra.get("draft_layers", 8)),
                 "draft_k": int(extra.get("draft_k", 3)),
+                "model": str(extra.get("model", DEFAULT_MODEL)),
+                "device": str(extra.get("device", "auto")),
             }
+            settings["draft_model"] = str(extra.get("draft_model", settings["model"]))
         except ValueError as exc:
             raise BenchOptionError(f"spec options: {exc}") from None
         self._settings = settings
         trajectories = options.data_dir / "trajectories"
         if not trajectories.is_dir():
             raise BenchOptionError(f"the spec bench needs {trajectories} (../shared/data); it is not there")
-        self._engine = await asyncio.to_thread(build_engine, options=EngineOptions(max_model_len=4096))
+        self._engine = await asyncio.to_thread(build_engine, settings["model"], EngineOptions(max_model_len=4096),
+                                               device=settings["device"])
         tokenizer = self._engine.tokenizer
 
         def encode(prompts: list[SpecPrompt]) -> list[list[int]]:
@@ -97,7 +105,8 @@ class SpecWorkload(Workload):
                        "ngram": build_spec(SpecDecodeConfig(proposer="ngram", **common)),
                        "suffix": build_spec(SpecDecodeConfig(proposer="suffix", **common)),
                        "draft_model": build_spec(SpecDecodeConfig(
-                           proposer="draft_model", draft_layers=settings["draft_layers"] or None, adaptive=False,
+                           proposer="draft_model", draft_model=settings["draft_model"],
+                           draft_layers=settings["draft_layers"] or None, adaptive=False,
                            num_speculative_tokens=settings["draft_k"], max_batch_size=settings["max_batch_size"]))}
 
     async def step(self, column: str, index: int) -> dict[str, float]:
@@ -160,4 +169,6 @@ class SpecWorkload(Workload):
 
     def config(self) -> dict[str, Any]:
         groups = {g: len(p) for g, p in self._groups.items()}
-        return {**self._settings, "groups": groups, "model": "smollm2-135m-instruct (embedded, as serve builds it)"}
+        engine = self._engine
+        device = str(engine.model.device) if engine is not None else self._settings.get("device")
+        return {**self._settings, "groups": groups, "device": device}

@@ -1,0 +1,52 @@
+"""Write a model the engine loads (a built-in name or a .gguf file) as a Hugging Face directory:
+``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json`` (chat
+template, special tokens). With ``--layers N`` only the first N decoder layers are kept: a
+layer-truncated draft that shares the target's tokenizer, loadable by any HF-directory consumer.
+
+    .venv/bin/python scripts/export_hf.py smollm2-135m-instruct /tmp/smollm2-hf
+    .venv/bin/python scripts/export_hf.py smollm2-135m-instruct /tmp/smollm2-draft8 --layers 8
+
+Quantized GGUF weights are dequantized (the exported model is the GGUF's, in ``--dtype``); the
+GGUF's interleaved Q/K layout is written in the HF (rotate-half) layout the HF loader expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a built-in name or a .gguf file")
+    parser.add_argument("directory", type=Path, help="where to write the HF directory")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = parser.parse_args()
+
+    from loopstack.engine.loaders import load_model
+    from loopstack.engine.loaders.safetensors_loader import save_hf_directory
+
+    loaded = load_model(args.model, device="cpu", dtype=args.dtype)
+    if args.layers is not None:
+        loaded.model.truncate_layers(args.layers)
+    tokenizer = loaded.tokenizer
+
+    def token(token_id: int | None) -> str | None:
+        return None if token_id is None else tokenizer.id_to_token(token_id)
+
+    tokenizer_config = {
+        "chat_template": loaded.chat_template,
+        "bos_token": token(tokenizer.bos_token_id),
+        "eos_token": token(tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
+        "pad_token": token(tokenizer.pad_token_id),
+    }
+    save_hf_directory(loaded.model, args.directory, tokenizer_json=tokenizer.backend.to_str(),
+                      tokenizer_config={k: v for k, v in tokenizer_config.items() if v is not None})
+    layers = loaded.model.config.num_layers
+    size = sum(f.stat().st_size for f in args.directory.iterdir()) / 2**20
+    print(f"{args.model} -> {args.directory}: {layers} layers, {args.dtype}, {size:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
