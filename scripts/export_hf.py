@@ -23,13 +23,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = parser.parse_args()
+    print(export_hf(args.model, args.directory, layers=args.layers, dtype=args.dtype))
 
+
+def export_hf(model: str | Path, directory: Path, *, layers: int | None = None, dtype: str = "bfloat16") -> str:
+    """Write ``model`` (its first ``layers`` layers) to ``directory``; returns a one-line summary."""
     from loopstack.engine.loaders import load_model
     from loopstack.engine.loaders.safetensors_loader import save_hf_directory
 
-    loaded = load_model(args.model, device="cpu", dtype=args.dtype)
-    if args.layers is not None:
-        loaded.model.truncate_layers(args.layers)
+    loaded = load_model(model, device="cpu", dtype=dtype)
+    if layers is not None:
+        loaded.model.truncate_layers(layers)
     tokenizer = loaded.tokenizer
 
     def token(token_id: int | None) -> str | None:
@@ -41,11 +45,10 @@ def main() -> None:
         "eos_token": token(tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
         "pad_token": token(tokenizer.pad_token_id),
     }
-    save_hf_directory(loaded.model, args.directory, tokenizer_json=tokenizer.backend.to_str(),
+    save_hf_directory(loaded.model, directory, tokenizer_json=tokenizer.backend.to_str(),
                       tokenizer_config={k: v for k, v in tokenizer_config.items() if v is not None})
-    layers = loaded.model.config.num_layers
-    size = sum(f.stat().st_size for f in args.directory.iterdir()) / 2**20
-    print(f"{args.model} -> {args.directory}: {layers} layers, {args.dtype}, {size:.0f} MiB")
+    size = sum(f.stat().st_size for f in directory.iterdir()) / 2**20
+    return f"{model} -> {directory}: {loaded.model.config.num_layers} layers, {dtype}, {size:.0f} MiB"
 
 
 if __name__ == "__main__":

@@ -96,13 +96,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.",
 
 
 def export(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    import subprocess
-
+    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     target, draft = work / "target", work / "draft8"
-    for directory, extra in ((target, []), (draft, ["--layers", "8"])):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), str(args.gguf), str(directory), *extra],
-                       check=True)
-    return {"target": str(target), "draft8": str(draft)}
+    return {"target": module.export_hf(args.gguf, target), "draft8": module.export_hf(args.gguf, draft, layers=8)}
 
 
 def reference(work: Path) -> dict[str, Any]:
