@@ -240,6 +240,61 @@ def speed(work: Path) -> dict[str, Any]:
     return result
 
 
+def profile(work: Path) -> dict[str, Any]:
+    """Where a step's time goes on the GPU: decode at batch 1 (short and long context) and 8, and a
+    chunked prefill; torch.profiler's top operators printed, milliseconds a step returned."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    import loopstack.engine.model.llama as llama
+    from loopstack.engine.factory import build_engine
+    from loopstack.engine.llm_engine import EngineOptions
+    from loopstack.engine.sampling_params import SamplingParams
+
+    engine = build_engine(work / "target", EngineOptions(max_model_len=8192, max_num_seqs=64), device=DEVICE[0])
+    decode_speed(engine, 1, 16)
+    long_ids = long_prompt(engine.tokenizer, size(2000, 300))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    result: dict[str, Any] = {}
+
+    def run(label: str, prompts: list[list[int]], steps: int = size(24, 4)) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
+        seqs = [engine.add_request(f"p-{time.monotonic_ns()}-{i}", p, params) for i, p in enumerate(prompts)]
+        while not all(s.output_token_ids for s in seqs):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        with torch_profile(activities=activities) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            result[f"{label}_ms_per_step"] = round((time.perf_counter() - started) * 1e3 / steps, 2)
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        for key in ("self_cuda_time_total", "self_cpu_time_total") if len(activities) > 1 else ("self_cpu_time_total",):
+            print(f"--- {label}: top by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=14), flush=True)
+
+    short = engine.tokenizer.encode("Story number 1: once upon")
+    run("b1_short", [short])
+    run("b1_long", [long_ids])
+    run("b8_short", [engine.tokenizer.encode(f"Story number {i}: once upon") for i in range(8)])
+    saved = llama.contiguous_contexts
+    llama.contiguous_contexts = lambda *args: None  # type: ignore[assignment]  # the gathered path instead
+    try:
+        run("b1_long_gathered", [long_ids])
+    finally:
+        llama.contiguous_contexts = saved
+    started = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        engine.block_manager.reset_prefix_cache()
+        ttft(engine, long_ids)
+    result["prefill_chunked_ms"] = round((time.perf_counter() - started) * 1e3, 1)
+    sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+    print("--- chunked prefill (512-token chunks)\n" + prof.key_averages().table(sort_by=sort, row_limit=14), flush=True)
+    return result
+
+
 def kv_tier(work: Path) -> dict[str, Any]:
     from loopstack.engine.cache_options import KVCacheOptions
     from loopstack.engine.factory import build_engine
@@ -343,7 +398,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"))
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--distill-seconds", type=float, default=75.0)
-    parser.add_argument("--only", default="export,reference,speed,kv_tier,distill,spec")
+    parser.add_argument("--only", default="export,reference,speed,profile,kv_tier,distill,spec")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check the script runs (e.g. on CPU)")
     args = parser.parse_args()
@@ -359,6 +414,7 @@ def main() -> None:
         "export": lambda: export(args, args.work),
         "reference": lambda: reference(args.work),
         "speed": lambda: speed(args.work),
+        "profile": lambda: profile(args.work),
         "kv_tier": lambda: kv_tier(args.work),
         "distill": lambda: distill(args.work, args.distill_seconds),
         "spec": lambda: spec(args.work, args.data, {"truncated8": args.work / "draft8",

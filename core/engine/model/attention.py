@@ -266,7 +266,7 @@ def paged_attention(
             context = _gather_context(kv_slots, meta)[:, :, :, : meta.context_lens[0]]
         k_ctx, v_ctx = context  # [1, Hkv, C, D] each
         out = F.scaled_dot_product_attention(q.view(1, num_kv_heads, group, head_dim), k_ctx, v_ctx, scale=scale)
-        return out.view(1, num_heads, head_dim)  # from [1, Hkv, G, D]
+        return out.reshape(1, num_heads, head_dim)  # from [1, Hkv, G, D] (a CUDA kernel's output may be strided)
     num_seqs = meta.num_seqs
     k_ctx, v_ctx = _gather_context(kv_slots, meta)  # [B, Hkv, K, D] each
     if meta.max_query_len == 1:
