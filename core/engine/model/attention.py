@@ -10,12 +10,14 @@ ids; this module only reads and writes the slots it is told to.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["AttentionMetadata", "allocate_kv_cache", "build_attention_mask", "contiguous_contexts", "paged_attention"]
+__all__ = ["AttentionMetadata", "allocate_kv_cache", "attention_kernels", "build_attention_mask", "contiguous_contexts", "paged_attention"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,6 +150,17 @@ class AttentionMetadata:
             end += q
             indices.extend(range(end - num_last, end))
         return torch.tensor(indices, dtype=torch.long, device=self.slot_mapping.device)
+
+
+def attention_kernels() -> AbstractContextManager[None]:
+    """The SDPA kernels a CUDA forward may use: flash, memory-efficient, math — not cuDNN's.
+
+    PyTorch prefers cuDNN's attention on Hopper, and builds a cuDNN plan for every new shape:
+    decode and chunked prefill meet a new context length at every step, so each call paid
+    about 1.4 ms of host time (an H200: 30 calls, ~40 ms of a batch-1 decode step whose GPU
+    work is ~1.7 ms; docs/engine.md).
+    """
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def allocate_kv_cache(

@@ -27,6 +27,7 @@ from loopstack.engine.config import ModelConfig
 from loopstack.engine.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
+    attention_kernels,
     build_attention_mask,
     contiguous_contexts,
     paged_attention,
@@ -316,6 +317,20 @@ class CausalLM(nn.Module):
         Returns:
             ``[N, vocab_size]`` float32 logits.
         """
+        if input_ids.device.type == "cuda":
+            with attention_kernels():
+                return self._forward(input_ids, positions, kv_cache, meta, logits_indices, captures)
+        return self._forward(input_ids, positions, kv_cache, meta, logits_indices, captures)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+        captures: Sequence[LayerCapture],
+    ) -> torch.Tensor:
         hidden = self.embed(input_ids)  # [T, hidden]
         kv_slots = kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, Hkv, D]
         native = self.native_decoder
