@@ -321,7 +321,7 @@ def _attend_each(
             attended = F.scaled_dot_product_attention(
                 rows.view(1, num_kv_heads, group, head_dim), k[None], v[None],
                 attn_mask=mask[i : i + 1, :, :1, :context_len], scale=scale,
-            ).view(1, num_heads, head_dim)
+            ).reshape(1, num_heads, head_dim)
         else:
             attended = F.scaled_dot_product_attention(
                 rows.transpose(0, 1)[None], k[None], v[None], attn_mask=mask[i : i + 1, :, :query_len, :context_len],
