@@ -54,6 +54,48 @@ class ModelRunner:
             return None
         if self.tier is not None:
             self.tier.before_forward()
+        if not capture and len(chunks) > 1:
+            split = self._rowwise_split(chunks)
+            if split is not None:
+                return self._execute_split(chunks, *split)
+        return self._execute(chunks, capture=capture)
+
+    def _rowwise_split(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]] | None:
+        """Where the model has a row-wise decoder (the CPU's native decode, whose rows are computed
+        each alone), the decode and verification chunks of a batch that also prefills: their
+        indices and the rest's. Run apart, a sequence's tokens come out bit for bit the same
+        whatever else shares its steps (a prefill chunk beside it, more or fewer speculating
+        rows); in one forward they would take the prefill's kernels in some steps and the row-wise
+        ones in others, and a near-tie could turn either way. None: nothing to split."""
+        native = getattr(self.model, "native_decoder", None)
+        if native is None:
+            return None
+        rowwise = [i for i, c in enumerate(chunks) if 0 < c.start and c.end - c.start <= 1 + len(c.draft)]
+        if not rowwise or len(rowwise) == len(chunks):
+            return None
+        meta, _ = self.metadata([(chunks[i].seq.request_id, chunks[i].token_ids, chunks[i].start, chunks[i].end)
+                                 for i in rowwise])
+        if not native.applies(meta):
+            return None
+        return rowwise, [i for i in range(len(chunks)) if i not in set(rowwise)]
+
+    def _execute_split(self, chunks: list[ScheduledChunk], rowwise: list[int], rest: list[int]) -> torch.Tensor | None:
+        """Two forwards (see :meth:`_rowwise_split`); the logits rows back in ``chunks`` order."""
+        parts: dict[int, torch.Tensor] = {}
+        for group in (rowwise, rest):
+            members = [chunks[i] for i in group]
+            logits = self._execute(members)
+            row = 0
+            for i, chunk in zip(group, members, strict=True):
+                if chunk.samples and logits is not None:
+                    count = 1 + len(chunk.draft)
+                    parts[i] = logits[row : row + count]
+                    row += count
+        ordered = [parts[i] for i in range(len(chunks)) if i in parts]
+        return torch.cat(ordered) if ordered else None
+
+    def _execute(self, chunks: list[ScheduledChunk], *, capture: bool = False) -> torch.Tensor | None:
+        """One forward over ``chunks`` (see :meth:`execute`)."""
         meta, input_ids = self.metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
         rows = [int(ends[i]) + j - len(c.draft) for i, c in enumerate(chunks) if c.samples

@@ -1,9 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Every step gets a token budget. Running sequences go first (decodes cost one token,
-unfinished prefills take what is left), then waiting ones are admitted while blocks,
-budget and the sequence cap allow. A long prompt is cut into chunks, so it never
-stalls the running decodes for more than one step's budget. When a decode cannot get
+Every step gets a budget of prefill tokens. Running sequences go first (a decode, or any
+one-token step, always runs and is not counted), then waiting ones are admitted while
+blocks, budget and the sequence cap allow. A long prompt is cut into chunks of the budget,
+so it never stalls the running decodes for more than one step's budget. A chunk is
+scheduled whole or waits for a step with room for it: a prompt is therefore cut at the
+same places (its start, then every budget's worth) whatever else shares its steps, and its
+tokens come out the same alone or in any batch. When a decode cannot get
 a block, the most recently admitted sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed (mostly from the prefix
 cache) later.
@@ -85,15 +88,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running):
-            if budget == 0:
-                break
             if seq not in self.running:  # preempted by an earlier sequence this step
                 continue
-            end = seq.num_computed_tokens + min(seq.num_uncomputed, budget)
-            if not self._reserve(seq, end):
+            size = self._chunk_size(seq)
+            if size > budget:
+                continue  # its next chunk, whole, waits for a step with room
+            if not self._reserve(seq, seq.num_computed_tokens + size):
                 continue  # seq itself was preempted
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
-            budget -= end - seq.num_computed_tokens
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + size))
+            budget -= size if size > 1 else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.token_ids
@@ -120,10 +123,16 @@ class Scheduler:
                 seq.admitted = True
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            end = seq.num_computed_tokens + min(seq.num_uncomputed, budget)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
-            budget -= end - seq.num_computed_tokens
+            size = self._chunk_size(seq)
+            if size > budget:
+                break  # admitted; its first chunk, whole, runs in a later step
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + size))
+            budget -= size if size > 1 else 0
         return chunks
+
+    def _chunk_size(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s next chunk: all that is left, at most a step's budget."""
+        return min(seq.num_uncomputed, self.max_num_batched_tokens)
 
     def _kept_logits(self, seq: Sequence) -> torch.Tensor | None:
         """The kept last logits of a fresh plain request's prompt, if any."""

@@ -39,6 +39,26 @@ def test_chunked_prefill_equals_one_shot():
     assert chunked.output_token_ids == one_shot.output_token_ids
 
 
+def test_a_prompt_is_cut_at_the_same_places_whatever_else_runs():
+    def cuts(engine, others):
+        for i, prompt in enumerate(others):
+            engine.add_request(f"other-{i}", prompt, GREEDY)
+        engine.step()  # the others are decoding (or prefilling) from here on
+        seq = engine.add_request("long", PROMPTS[2], GREEDY)
+        computed = []
+        while not seq.output_token_ids:
+            engine.step()
+            computed.append(seq.num_computed_tokens)
+        return sorted(set(computed) - {0})  # where its chunks ended (0: a step it waited)
+
+    alone = cuts(make_engine(max_num_batched_tokens=16), [])
+    assert alone == [16, 32, 40]
+    # decodes beside it take no share of the budget: the chunks stay whole
+    assert cuts(make_engine(max_num_batched_tokens=16), [[5, 6], [7, 8, 9]]) == alone
+    # another prompt's chunk that does not fit whole waits for the next step instead of being cut
+    assert cuts(make_engine(max_num_batched_tokens=16), [[1, 2, 3] * 10]) == alone
+
+
 def test_prefix_cache_hit_gives_the_same_logits_as_a_cold_run():
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     warm_engine = make_engine()

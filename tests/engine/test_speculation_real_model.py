@@ -104,3 +104,39 @@ def test_greedy_output_is_identical_at_batch_one_and_in_mixed_batches(engine, pr
     draft = getattr(engine.speculator.proposers[spec.key], "block_manager", None)
     if draft is not None:  # the draft model's own cache is back to its start too
         assert draft.statistics().num_used_blocks == 0 and draft.statistics().num_sequences == 0
+
+
+
+@pytest.fixture(scope="module")
+def chunking_engine():
+    """Prompts prefill in 32-token chunks, in steps shared with other requests' decodes and drafts.
+    No prefix cache: a prompt partly served from it computes its tail through other kernels than a
+    cold prefill (docs/techniques/spec-decode.md), and here the prompts share the system prompt."""
+    from loopstack.engine.factory import build_engine
+    from loopstack.engine.llm_engine import EngineOptions
+
+    return build_engine(options=EngineOptions(max_num_batched_tokens=32, enable_prefix_caching=False))
+
+
+def run_with_logprobs(engine, batch, spec, tag):
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    seqs = [engine.add_request(f"{tag}-{i}", ids, params, speculation=spec(i)) for i, ids in enumerate(batch)]
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+    return [(s.output_token_ids, s.logprobs) for s in seqs]
+
+
+@pytest.mark.parametrize("proposer", [None, "suffix", "draft_model_truncated"])
+def test_a_sequence_computes_the_same_bits_alone_and_beside_chunked_prefills(chunking_engine, proposer):
+    # Strict, no tie allowance, down to the log-probabilities' bits: a decode or verification row
+    # is computed alone whatever else its step holds (the row-wise kernels, apart from any prefill
+    # chunk), and a prompt is cut at the same places whatever the others' decodes and drafts take.
+    spec = build_spec(CONFIGS[proposer]) if proposer else None
+    batch = prompts(chunking_engine)
+    alone = [run_with_logprobs(chunking_engine, [ids], lambda i: None, f"alone-{n}")[0] for n, ids in enumerate(batch)]
+    # the first request decodes while the longer ones prefill chunk by chunk beside it
+    together = run_with_logprobs(chunking_engine, [batch[5], *batch[:4]], lambda i: spec, f"together-{proposer}")
+    assert together == [alone[5], *alone[:4]]
+    if spec is not None:
+        assert chunking_engine.speculator.statistics.num_accepted > 0
