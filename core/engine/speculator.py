@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SequenceSpeculation", "SpeculationStatistics", "Speculator", "best_k", "draft_token_cost", "gain"]
 
-# measured on 2 Xeon cores, SmolLM2-135M int4 (the native decode path): a step of n rows takes about
-# 7.7 + 3.2 n ms (1 row 10.9, 2: 15.2, 4: 20.4, 8: 33.4), i.e. 1 + 0.42 n in units of its fixed part
-DEFAULT_ROW_COST = 0.42
+# measured on 2 Xeon cores, SmolLM2-135M int4 (the native decode path, a 400-token context), by
+# scripts/measure_row_cost.py: a step of n rows takes about 4.9 + 2.4 n ms (1 row 7.0, 2: 9.7,
+# 4: 15.1, 8: 23.3), i.e. 1 + 0.48 n in units of its fixed part (0.42 before the q4q8 kernels)
+DEFAULT_ROW_COST = 0.48
 DECAY = 0.7  # weight of history in the per-sequence acceptance estimate
 
 

@@ -108,6 +108,21 @@ class SpecWorkload(Workload):
                            proposer="draft_model", draft_model=settings["draft_model"],
                            draft_layers=settings["draft_layers"] or None, adaptive=False,
                            num_speculative_tokens=settings["draft_k"], max_batch_size=settings["max_batch_size"]))}
+        await asyncio.to_thread(self._warm_up, agent[0])
+
+    def _warm_up(self, prompt: list[int]) -> None:
+        """A few plain and speculating steps before the first measured column: the first forwards
+        of a process are slower (allocations, first-use paths), and would count against ``off``,
+        the first column of the first round, inflating every ratio of that round."""
+        from loopstack.engine.sampling_params import SamplingParams
+
+        for spec in (None, self._specs["ngram"]):
+            seq = self._engine.add_request(f"warm-up-{time.monotonic_ns()}", prompt,
+                                           SamplingParams(temperature=0.0, max_tokens=16), speculation=spec)
+            while not seq.is_finished:
+                self._engine.step()
+        self._engine.block_manager.reset_prefix_cache()
+        self._engine.speculator.proposers.clear()
 
     async def step(self, column: str, index: int) -> dict[str, float]:
         return await asyncio.to_thread(self._measure, column)

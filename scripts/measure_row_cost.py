@@ -1,0 +1,85 @@
+"""What a verification row costs: the time of a batch-1 step verifying k draft tokens (k + 1 rows)
+against a plain decode step, on the engine as ``loopstack serve`` builds it. Source of the
+speculator's ``DEFAULT_ROW_COST`` (``core/engine/speculator.py``):
+
+    .venv/bin/python scripts/measure_row_cost.py --rounds 5
+
+A proposer that always drafts k copies of one token (every draft rejected, so each step emits
+one token) makes each step verify exactly k + 1 rows; the rounds alternate k, and the median
+per k is fitted as ``fixed + per_row * rows`` (least squares). ``row_cost = per_row / fixed``
+is the speculator's unit: a step of n rows costs ``1 + row_cost * n`` fixed parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+KS = (0, 1, 2, 3, 5, 7)
+
+
+class RejectedDraft:
+    """Drafts ``k`` tokens nobody will accept (a test proposer: it only makes rows to verify)."""
+
+    def __init__(self, context: Any, token: int = 0) -> None:
+        self.token = token
+
+    def propose(self, seqs: Sequence[Any], max_tokens: Sequence[int]) -> list[Any]:
+        from loopstack.engine.seams.speculation import Proposal
+
+        return [Proposal([self.token] * limit) for limit in max_tokens]
+
+    def finish(self, seq: Any) -> None:
+        pass
+
+
+def step_ms(engine: Any, prompt: list[int], spec: Any, steps: int) -> float:
+    from loopstack.engine.sampling_params import SamplingParams
+
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    seq = engine.add_request(f"row-{time.monotonic_ns()}", prompt, params, speculation=spec)
+    while len(seq.output_token_ids) < 4:
+        engine.step()
+    started, count = time.perf_counter(), 0
+    while not seq.is_finished:
+        engine.step()
+        count += 1
+    return (time.perf_counter() - started) * 1e3 / count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--context", type=int, default=400, help="prompt tokens before the decode")
+    args = parser.parse_args()
+
+    from loopstack.engine.factory import build_engine
+    from loopstack.engine.seams.speculation import SpeculationSpec
+
+    engine = build_engine(num_threads=2)
+    text = "The history of the printing press begins in the fifteenth century. " * 80
+    prompt = engine.tokenizer.encode(text)[: args.context]
+    specs = {k: SpeculationSpec(RejectedDraft, key="rejected-draft", num_speculative_tokens=k, adaptive=False)
+             if k else None for k in KS}
+    times: dict[int, list[float]] = {k: [] for k in KS}
+    for _ in range(args.rounds):
+        for k in KS:
+            times[k].append(step_ms(engine, prompt, specs[k], args.steps))
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    rows = [k + 1 for k in KS]
+    mean_rows, mean_ms = statistics.fmean(rows), statistics.fmean(medians.values())
+    per_row = (sum((r - mean_rows) * (medians[k] - mean_ms) for r, k in zip(rows, KS))
+               / sum((r - mean_rows) ** 2 for r in rows))
+    fixed = mean_ms - per_row * mean_rows
+    for k in KS:
+        print(f"k={k} ({k + 1} rows): {medians[k]:.2f} ms a step (runs: {', '.join(f'{t:.2f}' for t in times[k])})")
+    print(f"fit: {fixed:.2f} + {per_row:.2f} * rows ms; row_cost = {per_row / fixed:.3f}")
+
+
+if __name__ == "__main__":
+    main()
