@@ -56,7 +56,6 @@ class SpecWorkload(Workload):
         self._specs: dict[str, Any] = {}
         self._groups: dict[str, list[list[int]]] = {}
         self._reference: dict[str, list[list[int]]] = {}
-        self._off: dict[str, float] = {}
         self._settings: dict[str, Any] = {}
 
     def columns(self, stacks: list[Any]) -> list[str]:
@@ -147,9 +146,6 @@ class SpecWorkload(Workload):
             metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
             if column == "off":
                 self._reference[group] = run.outputs or []
-                self._off[group] = run.tokens_per_s
-            elif self._off.get(group):
-                metrics[f"{group}_speedup"] = round(run.tokens_per_s / self._off[group], 3)
             reference = self._reference.get(group)
             if reference is not None and run.outputs is not None:
                 same += sum(a == b for a, b in zip(run.outputs, reference, strict=True))
@@ -181,6 +177,13 @@ class SpecWorkload(Workload):
                     run.decode_tokens += sum(len(s.output_token_ids) for s in seqs) - tokens
             run.outputs.extend(s.output_token_ids for s in seqs)  # type: ignore[union-attr]
         return run
+
+    def ratio_pairs(self, columns: list[str]) -> list[tuple[str, str]]:
+        """Each proposer over ``off``: the ratio of the columns' mean tokens/s over the rounds. Not a
+        mean of per-round ratios: the runner reverses the column order every other round, so a
+        round's proposers may run before its ``off``, and this machine's speed swings by up to 2x
+        over tens of seconds (a noisy neighbour): one slow ``off`` would lift every ratio it divides."""
+        return [(column, "off") for column in columns if column != "off"]
 
     def config(self) -> dict[str, Any]:
         groups = {g: len(p) for g, p in self._groups.items()}
