@@ -1,5 +1,6 @@
 """The engine's C++ kernels of the working tree against those of a commit, in one process,
-alternating: decode attention (``attend_rows``) and the q4q8 matmul, at 1 and 8 rows.
+alternating: decode attention (``attend_rows``: batches of one-row sequences, and one sequence's
+verification rows) and the q4q8 matmul, at 1 and 8 rows.
 
     .venv/bin/python scripts/ab_kernels.py --against HEAD~1
 
@@ -66,17 +67,22 @@ def main() -> None:
         old = extension.compile_kernels(checkout(args.against, Path(folder)), "ab_kernels_old")
         new = extension.compile_kernels(name="ab_kernels_new")
         num_heads, num_kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30  # SmolLM2-135M
-        for batch, context in ((1, 160), (1, 2048), (8, 160), (8, 512)):
+        # batch sequences of one row each (decode), or one sequence of `batch` rows (a verification)
+        for batch, context, verify in ((1, 160, False), (1, 2048, False), (8, 160, False), (8, 512, False),
+                                       (8, 512, True), (8, 2048, True)):
             num_blocks = -(-context // block_size)
-            caches = [torch.randn(2, batch * num_blocks * block_size, num_kv_heads, head_dim) for _ in range(layers)]
-            tables = torch.arange(batch * num_blocks).view(batch, num_blocks)
+            num_seqs = 1 if verify else batch
+            caches = [torch.randn(2, num_seqs * num_blocks * block_size, num_kv_heads, head_dim) for _ in range(layers)]
+            tables = torch.arange(num_seqs * num_blocks).view(num_seqs, num_blocks)
             q = torch.randn(batch, num_heads, head_dim)
-            lengths = [context - row for row in range(batch)]
+            lengths = [context - batch + 1 + row for row in range(batch)] if verify else [context - row for row in range(batch)]
+            query_lens = [batch] if verify else [1] * batch
 
             def attend(ext: Any) -> Callable[[int], Any]:
-                return lambda call: ext.attend_rows(q, caches[call % layers], tables, lengths, [1] * batch, -1,
+                return lambda call: ext.attend_rows(q, caches[call % layers], tables, lengths, query_lens, -1,
                                                     block_size, head_dim ** -0.5)
-            compare(f"attention, batch {batch}, context {context}", attend(old), attend(new), args.rounds, args.calls)
+            label = f"attention, {'one sequence verifying' if verify else 'batch'} {batch}, context {context}"
+            compare(label, attend(old), attend(new), args.rounds, args.calls)
         for n, k, bits in ((3072, 576, 4), (576, 1536, 4), (49152, 576, 8)):
             packed, dm = (quant.pack_q4 if bits == 4 else quant.pack_q8)(torch.randn(n, k))
             for rows in (1, 8):

@@ -26,7 +26,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp",
                                               "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v27"
+_NAME = "loopstack_kernels_v28"
 
 
 def compile_kernels(csrc: Path = _CSRC, name: str = _NAME) -> Any:

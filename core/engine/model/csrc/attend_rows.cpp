@@ -170,9 +170,22 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
   // per item and query head of its group: the span's top score, its weights' sum, its weighted values
   const Runs runs = runs_for(dim, group);
   std::vector<float> tops(items.size() * group), sums(items.size() * group), accs(items.size() * group * dim);
+  // Worked in another order than stored: the rows of one sequence (a verification's k + 1 rows)
+  // side by side for each (KV head, span), so a span's keys and values come from memory for its
+  // first row and from cache for the others. Each item's own operations are unchanged: same bits.
+  std::vector<int64_t> order(items.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const SpanItem &x = items[a], &y = items[b];
+    const int64_t sx = row_seq[x.row], sy = row_seq[y.row];
+    if (sx != sy) return sx < sy;
+    if (x.kv_head != y.kv_head) return x.kv_head < y.kv_head;
+    return x.begin < y.begin;  // then by row: stable
+  });
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
-    for (int64_t index = first; index < last; ++index) {
+    for (int64_t position = first; position < last; ++position) {
+      const int64_t index = order[position];
       const SpanItem& item = items[index];
       const int64_t length = item.end - item.begin;
       const int64_t* blocks = table + row_seq[item.row] * s.table_width;
