@@ -77,7 +77,8 @@ class ModelRunner:
                                  for i in rowwise])
         if not native.applies(meta):
             return None
-        return rowwise, [i for i in range(len(chunks)) if i not in set(rowwise)]
+        apart = set(rowwise)
+        return rowwise, [i for i in range(len(chunks)) if i not in apart]
 
     def _execute_split(self, chunks: list[ScheduledChunk], rowwise: list[int], rest: list[int]) -> torch.Tensor | None:
         """Two forwards (see :meth:`_rowwise_split`); the logits rows back in ``chunks`` order."""

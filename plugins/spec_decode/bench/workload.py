@@ -110,9 +110,9 @@ class SpecWorkload(Workload):
         await asyncio.to_thread(self._warm_up, agent[0])
 
     def _warm_up(self, prompt: list[int]) -> None:
-        """A few plain and speculating steps before the first measured column: the first forwards
-        of a process are slower (allocations, first-use paths), and would count against ``off``,
-        the first column of the first round, inflating every ratio of that round."""
+        """A few plain and speculating steps before the first measured column, so that one-time
+        costs (allocations, first-use paths) do not count against ``off``, the first column of the
+        first round. (The larger swings seen here were the machine's own: see ``ratio_pairs``.)"""
         from loopstack.engine.sampling_params import SamplingParams
 
         for spec in (None, self._specs["ngram"]):
