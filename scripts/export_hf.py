@@ -6,14 +6,25 @@ layer-truncated draft that shares the target's tokenizer, loadable by any HF-dir
     .venv/bin/python scripts/export_hf.py smollm2-135m-instruct /tmp/smollm2-hf
     .venv/bin/python scripts/export_hf.py smollm2-135m-instruct /tmp/smollm2-draft8 --layers 8
 
-Quantized GGUF weights are dequantized (the exported model is the GGUF's, in ``--dtype``); the
-GGUF's interleaved Q/K layout is written in the HF (rotate-half) layout the HF loader expects.
+See :func:`loopstack.engine.loaders.hf_export.export_hf_directory`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+
+def export_hf(model: str | Path, directory: Path, *, layers: int | None = None, dtype: str = "bfloat16") -> str:
+    """Export ``model`` to ``directory``; returns a one-line summary."""
+    from loopstack.engine.config import ModelConfig
+    from loopstack.engine.loaders.hf_export import export_hf_directory
+
+    export_hf_directory(model, directory, num_layers=layers, dtype=dtype)
+    config = ModelConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+    size = sum(f.stat().st_size for f in directory.iterdir()) / 2**20
+    return f"{model} -> {directory}: {config.num_layers} layers, {dtype}, {size:.0f} MiB"
 
 
 def main() -> None:
@@ -24,31 +35,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = parser.parse_args()
     print(export_hf(args.model, args.directory, layers=args.layers, dtype=args.dtype))
-
-
-def export_hf(model: str | Path, directory: Path, *, layers: int | None = None, dtype: str = "bfloat16") -> str:
-    """Write ``model`` (its first ``layers`` layers) to ``directory``; returns a one-line summary."""
-    from loopstack.engine.loaders import load_model
-    from loopstack.engine.loaders.safetensors_loader import save_hf_directory
-
-    loaded = load_model(model, device="cpu", dtype=dtype)
-    if layers is not None:
-        loaded.model.truncate_layers(layers)
-    tokenizer = loaded.tokenizer
-
-    def token(token_id: int | None) -> str | None:
-        return None if token_id is None else tokenizer.id_to_token(token_id)
-
-    tokenizer_config = {
-        "chat_template": loaded.chat_template,
-        "bos_token": token(tokenizer.bos_token_id),
-        "eos_token": token(tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
-        "pad_token": token(tokenizer.pad_token_id),
-    }
-    save_hf_directory(loaded.model, directory, tokenizer_json=tokenizer.backend.to_str(),
-                      tokenizer_config={k: v for k, v in tokenizer_config.items() if v is not None})
-    size = sum(f.stat().st_size for f in directory.iterdir()) / 2**20
-    return f"{model} -> {directory}: {loaded.model.config.num_layers} layers, {dtype}, {size:.0f} MiB"
 
 
 if __name__ == "__main__":

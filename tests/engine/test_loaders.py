@@ -271,6 +271,25 @@ def test_default_model_answers_paris(default_model):
     assert "Paris" in answer, answer
 
 
+def test_default_model_exported_as_an_hf_directory_is_the_same_model(default_model, tmp_path):
+    # how the default model reaches a machine that can fetch nothing (scripts/export_hf.py)
+    from loopstack.engine.loaders.hf_export import export_hf_directory
+
+    exported = load_model(export_hf_directory("smollm2-135m-instruct", tmp_path / "full", dtype="float32"),
+                          device="cpu", dtype="float32")
+    tokenizer, config = default_model.tokenizer, default_model.config
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert exported.chat_template == default_model.chat_template
+    assert exported.tokenizer.encode(prompt) == tokenizer.encode(prompt)
+    assert exported.config.eos_token_ids == config.eos_token_ids
+    ids = tokenizer.encode(prompt)
+    assert (greedy(exported.model, ids, 20, config.eos_token_ids)
+            == greedy(default_model.model, ids, 20, config.eos_token_ids))
+    draft = load_model(export_hf_directory("smollm2-135m-instruct", tmp_path / "draft", num_layers=4),
+                       device="cpu", dtype="float32")
+    assert draft.config.num_layers == 4 and draft.tokenizer.encode(prompt) == ids
+
+
 def test_int4_default_model_answers_paris(default_model, default_model_int4):
     tokenizer, config = default_model.tokenizer, default_model.config
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
