@@ -5,7 +5,7 @@
 Each section runs on its own (a failure is printed with its traceback and the next one runs) and
 adds its figures to ``DIR/gpu_check.json``:
 
-1. ``export``: the GGUF written as a Hugging Face directory (bf16; ``scripts/export_hf.py``), and
+1. ``export``: the GGUF written as a Hugging Face directory (bf16; ``loopstack model export``), and
    its first 8 layers as a layer-truncated draft directory.
 2. ``reference``: the engine on CUDA against transformers' own Llama on the same directory, float32
    and bf16: greedy tokens and last-position logits.
@@ -96,12 +96,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.",
 
 
 def export(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from loopstack.engine.loaders.hf_export import export_hf_directory
+
     target, draft = work / "target", work / "draft8"
-    return {"target": module.export_hf(args.gguf, target), "draft8": module.export_hf(args.gguf, draft, layers=8)}
+    export_hf_directory(args.gguf, target, dtype="bfloat16")
+    export_hf_directory(args.gguf, draft, num_layers=8, dtype="bfloat16")
+    return {"target": str(target), "draft8": str(draft)}
 
 
 def reference(work: Path) -> dict[str, Any]:

@@ -272,7 +272,7 @@ def test_default_model_answers_paris(default_model):
 
 
 def test_default_model_exported_as_an_hf_directory_is_the_same_model(default_model, tmp_path):
-    # how the default model reaches a machine that can fetch nothing (scripts/export_hf.py)
+    # how the default model reaches a vLLM server or a machine that can fetch nothing (`loopstack model export`)
     from loopstack.engine.loaders.hf_export import export_hf_directory
 
     exported = load_model(export_hf_directory("smollm2-135m-instruct", tmp_path / "full", dtype="float32"),
