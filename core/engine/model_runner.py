@@ -60,32 +60,37 @@ class ModelRunner:
                 return self._execute_split(chunks, *split)
         return self._execute(chunks, capture=capture)
 
-    def _rowwise_split(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]] | None:
+    def _rowwise_split(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[int], list[int], tuple[AttentionMetadata, torch.Tensor]] | None:
         """Where the model has a row-wise decoder (the CPU's native decode, whose rows are computed
         each alone), the decode and verification chunks of a batch that also prefills: their
         indices and the rest's. Run apart, a sequence's tokens come out bit for bit the same
         whatever else shares its steps (a prefill chunk beside it, more or fewer speculating
         rows); in one forward they would take the prefill's kernels in some steps and the row-wise
-        ones in others, and a near-tie could turn either way. None: nothing to split."""
-        native = getattr(self.model, "native_decoder", None)
+        ones in others, and a near-tie could turn either way. Also returns the row-wise group's
+        metadata and input ids (built to ask the decoder, used by its forward). None: nothing to
+        split."""
+        native = self.model.native_decoder
         if native is None:
             return None
         rowwise = [i for i, c in enumerate(chunks) if 0 < c.start and c.end - c.start <= 1 + len(c.draft)]
         if not rowwise or len(rowwise) == len(chunks):
             return None
-        meta, _ = self.metadata([(chunks[i].seq.request_id, chunks[i].token_ids, chunks[i].start, chunks[i].end)
-                                 for i in rowwise])
-        if not native.applies(meta):
+        prepared = self.metadata([(chunks[i].seq.request_id, chunks[i].token_ids, chunks[i].start, chunks[i].end)
+                                  for i in rowwise])
+        if not native.applies(prepared[0]):
             return None
         apart = set(rowwise)
-        return rowwise, [i for i in range(len(chunks)) if i not in apart]
+        return rowwise, [i for i in range(len(chunks)) if i not in apart], prepared
 
-    def _execute_split(self, chunks: list[ScheduledChunk], rowwise: list[int], rest: list[int]) -> torch.Tensor | None:
+    def _execute_split(self, chunks: list[ScheduledChunk], rowwise: list[int], rest: list[int],
+                       prepared: tuple[AttentionMetadata, torch.Tensor]) -> torch.Tensor | None:
         """Two forwards (see :meth:`_rowwise_split`); the logits rows back in ``chunks`` order."""
         parts: dict[int, torch.Tensor] = {}
-        for group in (rowwise, rest):
+        for group, group_prepared in ((rowwise, prepared), (rest, None)):
             members = [chunks[i] for i in group]
-            logits = self._execute(members)
+            logits = self._execute(members, prepared=group_prepared)
             row = 0
             for i, chunk in zip(group, members, strict=True):
                 if chunk.samples and logits is not None:
@@ -95,9 +100,11 @@ class ModelRunner:
         ordered = [parts[i] for i in range(len(chunks)) if i in parts]
         return torch.cat(ordered) if ordered else None
 
-    def _execute(self, chunks: list[ScheduledChunk], *, capture: bool = False) -> torch.Tensor | None:
-        """One forward over ``chunks`` (see :meth:`execute`)."""
-        meta, input_ids = self.metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
+    def _execute(self, chunks: list[ScheduledChunk], *, capture: bool = False,
+                 prepared: tuple[AttentionMetadata, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One forward over ``chunks`` (see :meth:`execute`); ``prepared``: their metadata and input
+        ids, if already built."""
+        meta, input_ids = prepared or self.metadata([(c.seq.request_id, c.token_ids, c.start, c.end) for c in chunks])
         ends = torch.cumsum(torch.tensor([c.end - c.start for c in chunks]), 0) - 1
         rows = [int(ends[i]) + j - len(c.draft) for i, c in enumerate(chunks) if c.samples
                 for j in range(len(c.draft) + 1)]
