@@ -82,7 +82,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE", help="request log, Mooncake trace or per_turn_usage.jsonl")
     p.add_argument("--block-sizes", metavar="LIST", help="block sizes in tokens, e.g. 16,32,64")
     p.add_argument("--capacities", metavar="LIST", help="cache sizes in tokens, e.g. 8192,32k,1M")
-    p.add_argument("--policies", metavar="LIST", help="eviction policies (default: all: lru,slru,frequency)")
+    p.add_argument("--policies", metavar="LIST", help="eviction policies (default: all: lru,slru,frequency,reuse)")
     p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     p.add_argument("--tier-slots", type=int, default=0, metavar="N",
                    help="also replay with a second tier behind the cache: N slots of the trace's block size "

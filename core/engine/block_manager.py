@@ -173,6 +173,7 @@ class BlockManager:
         self._counts: Counter[str] = Counter()
         self._policies_used: dict[str, None] = {}
         self._num_pinned_blocks = 0
+        self._num_releases = 0  # sequences freed so far: the policies' logical clock (BlockUse.release)
         self._copier: BlockCopier | None = None
         self._num_tails = 0
         # cache entries and tails by (parent hash, salt): where a partial hit looks
@@ -308,6 +309,7 @@ class BlockManager:
         seq = self._get(seq_id)
         self._keep_tail(seq)
         # tail first: the least reusable part of a prefix is then evicted first
+        self._num_releases += 1
         for block_id in reversed(seq.block_table):
             self._release(block_id, cold=seq.cold)
         del self._seqs[seq_id]
@@ -684,9 +686,9 @@ class BlockManager:
         elif block.ref_count == 0:
             self._policy.insert(block_id, self._use(block, cold=cold))
 
-    @staticmethod
-    def _use(block: _Block, *, cold: bool = False) -> BlockUse:
-        return BlockUse(hits=block.hits, depth=block.depth, cold=cold, block_hash=block.block_hash)
+    def _use(self, block: _Block, *, cold: bool = False) -> BlockUse:
+        return BlockUse(hits=block.hits, depth=block.depth, cold=cold, block_hash=block.block_hash,
+                        release=self._num_releases)
 
     def _unregister(self, block: _Block) -> bytes:
         block_hash = block.block_hash

@@ -33,8 +33,9 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+
+from loopstack.engine.eviction_types import BlockUse, EvictionPolicy
+from loopstack.engine.reuse_policy import ReusePolicy
 
 __all__ = [
     "POLICIES",
@@ -42,44 +43,10 @@ __all__ = [
     "EvictionPolicy",
     "FrequencyPolicy",
     "LRUPolicy",
+    "ReusePolicy",
     "SLRUPolicy",
     "make_policy",
 ]
-
-
-@dataclass(frozen=True)
-class BlockUse:
-    """What a policy may know of a block when it becomes evictable."""
-
-    hits: int  # prefix hits the block served since it was stored
-    depth: int  # its index in its chain (0: the first block of a prompt)
-    cold: bool = False  # the sequence that released it found nothing of its prompt cached (a one-off?)
-    block_hash: bytes | None = None  # its content's chained hash (what an oracle or a ghost list keys on)
-
-
-class EvictionPolicy(Protocol):
-    """The set of evictable blocks, ordered by the policy.
-
-    The block manager calls ``insert`` when a cached block's last reference goes, ``remove`` when a
-    block leaves the set for another reason (a hit takes it back, a pin holds it, the cache is
-    reset), and ``pop_victim`` when it needs a slot.
-    """
-
-    name: str
-
-    def insert(self, block_id: int, use: BlockUse) -> None: ...
-
-    def remove(self, block_id: int) -> None: ...
-
-    def pop_victim(self) -> int: ...
-
-    def order(self) -> tuple[int, ...]:
-        """Every member, the next victim first (for snapshots and tests; may be O(n log n))."""
-        ...
-
-    def __len__(self) -> int: ...
-
-    def __contains__(self, block_id: object) -> bool: ...
 
 
 class LRUPolicy:
@@ -215,6 +182,7 @@ POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "slru": SLRUPolicy,
     "frequency": FrequencyPolicy,
+    "reuse": ReusePolicy,
 }
 
 

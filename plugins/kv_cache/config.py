@@ -14,8 +14,8 @@ __all__ = ["KVCacheConfig"]
 class KVCacheConfig(PluginConfig):
     """Defaults measured with ``loopstack bench --workload kv`` (docs/techniques/kv-cache.md)."""
 
-    policy: Literal["lru", "slru", "frequency"] = Field(
-        "frequency", description="eviction policy of the engine's prefix cache (switches on live reload)"
+    policy: Literal["lru", "slru", "frequency", "reuse"] = Field(
+        "reuse", description="eviction policy of the engine's prefix cache (switches on live reload)"
     )
     pin_static_prefix: bool = Field(
         True, description="pin each request's system prompt and tool definitions for pin_ttl_s"

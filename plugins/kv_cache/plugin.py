@@ -34,7 +34,7 @@ class KVCache(Plugin):
     name = "kv_cache"
     layers = (Layer.INFERENCE,)
     Config = KVCacheConfig
-    summary = "Eviction policy (lru, slru, frequency), pinned prefixes with a TTL, a second KV tier, a request log."
+    summary = "Eviction policy (lru, slru, frequency, reuse), pinned prefixes with a TTL, a second KV tier, a request log."
 
     config: KVCacheConfig
 

@@ -645,6 +645,10 @@ class FrequencyMachine(BlockManagerMachine):
     POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "frequency", 5, 3, 7
 
 
+class ReuseMachine(BlockManagerMachine):
+    POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "reuse", 5, 3, 7
+
+
 class LRUWithPinsAndTierMachine(BlockManagerMachine):
     POLICY, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = "lru", 3, 2, 6
 
@@ -655,7 +659,7 @@ class WholeBlocksOnlyMachine(BlockManagerMachine):
     COPIER, TIER_SLOTS, MAX_PINNED, NUM_BLOCKS = False, 3, 2, 8
 
 
-for _machine in (SLRUMachine, FrequencyMachine, LRUWithPinsAndTierMachine, WholeBlocksOnlyMachine):
+for _machine in (SLRUMachine, FrequencyMachine, ReuseMachine, LRUWithPinsAndTierMachine, WholeBlocksOnlyMachine):
     _case = _machine.TestCase
     _case.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
     globals()[f"Test{_machine.__name__}"] = _case

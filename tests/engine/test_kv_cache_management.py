@@ -59,7 +59,7 @@ def test_every_policy_keeps_the_set_it_is_given(name: str) -> None:
 
 
 def test_unknown_policy_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="frequency, lru, slru"):
+    with pytest.raises(ValueError, match="frequency, lru, reuse, slru"):
         make_policy("fifo", 10)
 
 

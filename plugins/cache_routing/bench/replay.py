@@ -71,11 +71,11 @@ class _Job:
 
 
 class _Replica:
-    def __init__(self, index: int, capacity: int, on_event: Callable | None) -> None:
+    def __init__(self, index: int, capacity: int, on_event: Callable | None, eviction: str) -> None:
         bus = KVEventBus(buffer_size=0)
         if on_event is not None:
             bus.subscribe(lambda event: on_event(index, event))
-        self.blocks = BlockManager(capacity, 1, event_bus=bus)
+        self.blocks = BlockManager(capacity, 1, event_bus=bus, policy=eviction)
         self.prefill_free_at = 0.0
         self.waiting: list[_Job] = []
 
@@ -89,10 +89,12 @@ def replay(
     index: BlockIndex | None = None,
     service: ServiceModel = ServiceModel(),
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    eviction: str = "lru",
 ) -> ReplayResult:
-    """Route and serve every request; ``index`` (if given) is fed the replicas' KV events."""
+    """Route and serve every request; ``index`` (if given) is fed the replicas' KV events; each
+    replica's cache evicts by ``eviction`` (a policy of :data:`loopstack.engine.eviction.POLICIES`)."""
     on_event = index.apply if index is not None else None
-    replicas = [_Replica(i, capacity_blocks, on_event) for i in range(num_replicas)]
+    replicas = [_Replica(i, capacity_blocks, on_event, eviction) for i in range(num_replicas)]
     tracker = LoadTracker(num_replicas)
     heap: list[tuple[float, int, str, _Job]] = []
     order = itertools.count()

@@ -18,7 +18,8 @@ Options: ``-o trace=swebench-agent`` replays the 500 mini-swe-agent SWE-bench se
 (20,163 model calls, :func:`~.trace.load_agent_trace`: a source the weights were not chosen on);
 ``-o requests=N`` replays the first N requests (default: all 12,031; ``--quick``: 2,000 at
 two configurations); ``-o configs=4x2000,8x2000``; ``-o prefill_tokens_per_s=16000``,
-``-o decode_s_per_token=0.025`` (the modelled replica speed); any other ``-o KEY=VALUE`` naming a
+``-o decode_s_per_token=0.025`` (the modelled replica speed); ``-o eviction=reuse`` (the replicas'
+eviction policy, default ``lru``, the engine's own without the ``kv_cache`` plugin); any other ``-o KEY=VALUE`` naming a
 ``[plugins.cache_routing]`` option (``queue_weight``, ``running_weight``, ...) changes the
 ``cache_aware`` column, to try other weights on the same replay.
 
@@ -35,6 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.engine.eviction import POLICIES
 from loopstack.inference.round_robin import RoundRobin
 from loopstack.inference.types import RoutingPolicy
 from loopstack.plugins.cache_routing.bench.replay import ReplayResult, ServiceModel, infinite_cache_hit_rate, replay
@@ -100,12 +102,16 @@ class RoutingWorkload(Workload):
             prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", ServiceModel.prefill_tokens_per_s)),
             decode_s_per_token=float(extra.get("decode_s_per_token", ServiceModel.decode_s_per_token)),
         )
+        self._eviction = str(extra.get("eviction", "lru"))
+        if self._eviction not in POLICIES:
+            raise BenchOptionError(f"-o eviction: unknown policy {self._eviction!r}; known: {', '.join(POLICIES)}")
         fields = set(CacheRoutingConfig.model_fields) - {"policy"}
         self._overrides = {key: value for key, value in extra.items() if key in fields}
-        unknown = set(extra) - fields - {"requests", "configs", "prefill_tokens_per_s", "decode_s_per_token", "trace"}
+        unknown = set(extra) - fields - {"requests", "configs", "prefill_tokens_per_s", "decode_s_per_token", "trace",
+                                          "eviction"}
         if unknown:
             raise BenchOptionError(f"--workload routing: unknown option(s) {sorted(unknown)}; options: trace, requests, configs,"
-                             f" prefill_tokens_per_s, decode_s_per_token, {', '.join(sorted(fields))}")
+                             f" prefill_tokens_per_s, decode_s_per_token, eviction, {', '.join(sorted(fields))}")
         try:
             CacheRoutingConfig(**{**COLUMNS["cache_aware"], **self._overrides})
         except ValidationError as exc:
@@ -115,7 +121,8 @@ class RoutingWorkload(Workload):
         bounds = {}
         for num_replicas, capacity in self._configs:
             result = await asyncio.to_thread(replay, self._requests, RoundRobin(), num_replicas=1,
-                                             capacity_blocks=num_replicas * capacity, service=instant)
+                                             capacity_blocks=num_replicas * capacity, service=instant,
+                                             eviction=self._eviction)
             bounds[f"{num_replicas}x{capacity}"] = round(result.hit_rate, 4)
         self._config = {
             "trace": str(MOONCAKE_TRACE if trace == "mooncake" else AGENT_TRACE),
@@ -123,7 +130,8 @@ class RoutingWorkload(Workload):
             "block_tokens": 512,
             "configs": [f"{n}x{c}" for n, c in self._configs],
             "infinite_cache_hit_rate": round(infinite, 4),
-            "lru_bound_hit_rate": bounds,
+            "lru_bound_hit_rate": bounds,  # one cache of all the blocks, evicting by ``eviction``
+            "eviction": self._eviction,
             "prefill_tokens_per_s": self._service.prefill_tokens_per_s,
             "decode_s_per_token": self._service.decode_s_per_token,
             "policies": {**COLUMNS, "cache_aware": {**COLUMNS["cache_aware"], **self._overrides}},
@@ -151,7 +159,7 @@ class RoutingWorkload(Workload):
         index: BlockIndex | None
         policy, index = build_policy(config, num_replicas=num_replicas)
         return replay(self._requests, policy, num_replicas=num_replicas, capacity_blocks=capacity,
-                      index=index, service=self._service)
+                      index=index, service=self._service, eviction=self._eviction)
 
 
 def _parse_config(text: str) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Workload ``kv``: the engine's eviction policies side by side on three traces, one block manager each.
 
-Each column is one eviction policy (``lru`` first, the default ``frequency`` last, so the ratio
-column reads "frequency over LRU"); each runs the advisor's replay (:mod:`..advisor.replay`: the
+Each column is one eviction policy (``lru`` first, the default ``reuse`` last, so the ratio
+column reads "reuse over LRU"); each runs the advisor's replay (:mod:`..advisor.replay`: the
 engine's real :class:`~loopstack.engine.block_manager.BlockManager`, one 512-token block per trace
 block, no model forward, time modelled) on every row at each of the row's capacities, and reports
 per ``@row@capacity``: hit rate (hit tokens over prompt tokens), prefill tokens saved and modelled
@@ -21,7 +21,7 @@ modelled engine prefills 64k tokens/s and decodes 5 ms/token: the agent trace's 
 session's calls is 4 s, and a slower engine would overlap calls the agent loop makes one after
 another. After the run the goals are printed as PASS/FAIL lines computed from the figures (and kept
 in the JSON's config): on ``agent`` and ``mix`` the best non-LRU policy saves >= 10% more prefill
-tokens than LRU at the same capacity; on ``mooncake`` ``frequency`` is never more than 1% worse.
+tokens than LRU at the same capacity; on ``mooncake`` the default is never more than 1% worse.
 
 Options: ``-o requests=N`` (the first N requests of each trace; ``--quick``: 2,000 and each row's
 first capacity), ``-o capacities=512k,1M`` (every row) or ``-o mooncake_capacities=...`` (one row;
@@ -71,7 +71,7 @@ QUICK_REQUESTS = 2000
 SERVICE = DEFAULT_SERVICE
 SCAN_ID_BASE = 1 << 62  # far above the traces' ids
 NON_LRU_GAIN = 1.10  # the agent and mix goal: best non-LRU saved / LRU saved
-MOONCAKE_FLOOR = 0.99  # the mooncake goal: frequency saved / LRU saved
+MOONCAKE_FLOOR = 0.99  # the mooncake goal: the default policy saved / LRU saved
 OPTIONS = ("requests", "capacities", "rows", "prefill_tokens_per_s", "decode_s_per_token", "scan_every_s",
            "scan_prompts", "scan_tokens", "variants", "live", "tier", *(f"{row}_capacities" for row in ROWS))
 LIVE_POLICIES = ("lru", DEFAULT_POLICY)

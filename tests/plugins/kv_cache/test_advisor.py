@@ -354,10 +354,10 @@ def test_the_kv_bench_runs_quick_on_synthetic_traces(tmp_path, capsys):
     options = BenchOptions(quick=True, data_dir=synthetic_data(tmp_path), extra={
         "capacities": "4k", "scan_every_s": "20", "scan_prompts": "4", "scan_tokens": "2048", "variants": "gdsf"})
     result = asyncio.run(run_bench(KVWorkload(), [], options, progress=False))
-    assert result.columns == ["lru", "slru", "frequency"]
+    assert result.columns == ["lru", "slru", "frequency", "reuse"]
     for row in ("mooncake", "agent", "mix"):
         for metric in ("hit_rate", "saved_tokens", "prefill_s"):
-            assert set(result.metrics[f"{metric}@{row}@4k"]) == {"lru", "slru", "frequency"}
+            assert set(result.metrics[f"{metric}@{row}@4k"]) == {"lru", "slru", "frequency", "reuse"}
         assert 0 < result.metrics[f"hit_rate@{row}@4k"]["lru"] < 1
     goals = result.config["goals"]
     assert [g["row"] for g in goals] == ["agent", "mix", "mooncake"]

@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("policy", ["lru", "frequency"])
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
 def test_advisor_predicts_the_live_hit_rate_within_two_points(policy, tmp_path) -> None:
     from loopstack.plugins.kv_cache.bench.live import compare_live
 
