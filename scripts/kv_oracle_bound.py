@@ -94,7 +94,7 @@ def main() -> None:
         uses = future_uses(plans)
         for capacity in CAPACITIES[row]:
             saved = {}
-            for policy in ("lru", "slru", "frequency", "oracle"):
+            for policy in ("lru", "slru", "frequency", "reuse", "oracle"):
                 oracle = Oracle(uses)
                 original = replay_module.BlockManager
 
@@ -111,7 +111,7 @@ def main() -> None:
                     replay_module.BlockManager = original
                 saved[policy] = result.prefill_tokens_saved
             lru = saved["lru"]
-            line = "  ".join(f"{p} {saved[p] / lru:.3f}x" for p in ("slru", "frequency", "oracle"))
+            line = "  ".join(f"{p} {saved[p] / lru:.3f}x" for p in ("slru", "frequency", "reuse", "oracle"))
             print(f"{row}@{capacity >> 10}k: lru hit tokens {lru:.3e}; {line}", flush=True)
 
 
