@@ -4,7 +4,7 @@ The block manager keeps every block that holds reusable KV and no live sequence 
 :class:`EvictionPolicy`; when it needs a fresh block and the free list is empty, it asks the policy
 for a victim. Pinned blocks (see :mod:`loopstack.engine.pins`) never enter a policy while pinned.
 
-Three policies, each O(log n) or better per block:
+Four policies, each O(log n) or better per block:
 
 - ``lru``: least recently released first (a sequence releases its tail first, so a prefix's root is
   evicted last). One ordered dict, O(1). The baseline, and what nano-vllm and vLLM do.
@@ -23,6 +23,10 @@ Three policies, each O(log n) or better per block:
   such as a scan of unique documents) starts at ``clock + 0``: it goes before any block of a prompt
   that shared a prefix. A child block is never hit more often than its parent, so chains go from the
   leaves in; ties go to the older release. A heap with lazy deletion, O(log n).
+- ``reuse`` (:mod:`loopstack.engine.reuse_policy`, the ``kv_cache`` plugin's default): the block whose
+  predicted next use is farthest, from its own reuse interval on a clock of sequences freed (Belady's
+  rule, online). Sessions taking turns through a cache too small for all of them keep the ones that
+  come back soonest, where LRU evicts the one that comes next. Four heaps, O(log n).
 
 Third-party policies implement the same protocol and register in :data:`POLICIES`.
 """

@@ -65,7 +65,7 @@ class _Member:
 @dataclass(slots=True)
 class _Seen:
     last: int  # tick of its last release
-    interval: int | None  # ticks between its last two releases (or inherited), None: first seen
+    interval: int | None  # ticks between its last two releases, None: first seen
     evicted_as: _Kind | None = None  # set while it is out of the cache: what it was evicted as
 
 
@@ -77,7 +77,7 @@ class ReusePolicy:
     def __init__(self, num_blocks: int = 0, *, history_factor: int = 4, step: float = 1.0) -> None:
         self.step = step
         self.offset = 0.0  # D: how much later than an overdue block a first-seen one is predicted back
-        self.ghost_hits = {_Kind.FIRST: 0, _Kind.DUE: 0}
+        self.ghost_hits = {"first_seen": 0, "with_interval": 0}  # misses on blocks evicted as each
         self._max_history = max(history_factor * num_blocks, 4096)
         self._history: OrderedDict[bytes, _Seen] = OrderedDict()
         self._now = 0
@@ -169,10 +169,10 @@ class ReusePolicy:
 
     def _ghost_hit(self, evicted_as: _Kind) -> None:
         if evicted_as is _Kind.FIRST:
-            self.ghost_hits[_Kind.FIRST] += 1
+            self.ghost_hits["first_seen"] += 1
             self.offset = max(0.0, self.offset - self.step)
         else:
-            self.ghost_hits[_Kind.DUE] += 1
+            self.ghost_hits["with_interval"] += 1
             self.offset = min(float(self._now), self.offset + self.step)
 
     def _evicted(self, block_id: int) -> None:
