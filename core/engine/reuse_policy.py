@@ -21,9 +21,9 @@ time from each block's own past, on a logical clock that ticks once per sequence
 Agent sessions taking turns through a cache smaller than their histories are LRU's worst case: LRU
 evicts the session that comes next. Predicting each session's return keeps the ones that come back
 soonest, as Belady would. Ties go to the deeper block, so chains are cut from the leaves in. (A
-first-seen block inheriting its parent's interval was tried: it helped agent sessions by 0.3% and
-cost 9% of the hits behind a cache-aware router on the Mooncake trace, so blocks learn only from
-their own past.)
+first-seen block inheriting its parent's interval was tried: it moved agent sessions by 0.3% either
+way and cost 9% of the hits behind a cache-aware router on the Mooncake trace, so blocks learn only
+from their own past.)
 
 Each block sits in one of four heaps (first seen, due by prediction, due by overdue time, overdue)
 with lazy deletion: O(log n) per insert and eviction, amortized.
