@@ -15,7 +15,10 @@ where a draft token's cost is its share of the step: a step of ``n`` tokens cost
 ``1 + row_cost * n`` (``row_cost`` measured), so at batch ``B`` one more row costs the sequence
 ``row_cost * B / (1 + row_cost * B)`` of its plain step. A sequence whose best k is not worth it
 (fewer expected tokens than the cost) drafts nothing that step: speculation fades out as the
-batch grows, before ``max_batch_size`` cuts it off.
+batch grows, before ``max_batch_size`` cuts it off. A proposer that states its confidence per
+draft token (SuffixDecoding: the length of the match) is asked for up to k tokens instead, and
+each draft is cut where its calibrated confidence stops paying (:mod:`loopstack.engine.draft_calibration`):
+long where it continues a long match, short or nothing where the match is short.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ import torch
 
 from loopstack.engine.acceptance import Verdict, verify
 from loopstack.engine.block_manager import BlockManager
+from loopstack.engine.draft_calibration import DraftCalibration
 from loopstack.engine.scheduler import ScheduledChunk
-from loopstack.engine.seams.speculation import Proposal, Proposer, ProposerContext, SpeculationSpec, proposer_cost
+from loopstack.engine.seams.speculation import (
+    Proposal,
+    Proposer,
+    ProposerContext,
+    SpeculationSpec,
+    proposer_cost,
+    states_confidence,
+)
 from loopstack.engine.text.grammar import apply_bitmask
 
 if TYPE_CHECKING:
@@ -104,6 +115,7 @@ class SequenceSpeculation:
     rejected: float = 0.0
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    draft_confidence: list[float] | None = None  # the proposer's, per draft token (None: not stated)
     masks: list[torch.Tensor | None] = field(default_factory=list)  # grammar bitmask per verified row
     statistics: SpeculationStatistics = field(default_factory=SpeculationStatistics)  # this sequence's
 
@@ -132,6 +144,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.row_cost = row_cost
         self.proposers: dict[str, Proposer] = {}
+        self.calibrations: dict[str, DraftCalibration] = {}  # per spec key, for proposers stating confidence
         self.statistics = SpeculationStatistics()
         self._num_speculating = 0
         self._was_on = False
@@ -188,9 +201,11 @@ class Speculator:
         for indices in by_proposer.values():
             seqs = [chunks[i].seq for i in indices]
             proposer = seqs[0].speculation.proposer  # type: ignore[union-attr]
-            limits = [self.draft_limit(seq, cost + proposer_cost(proposer)) for seq in seqs]
+            token_cost = cost + proposer_cost(proposer)
+            limits = [self.draft_limit(seq, token_cost) for seq in seqs]
             proposals = proposer.propose(seqs, limits)
             for i, seq, limit, proposal in zip(indices, seqs, limits, proposals, strict=True):
+                limit = self._confident_length(seq, proposal, limit, token_cost)
                 draft = self._fit(seq, proposal, min(limit, max(budget, 0)))
                 if draft:
                     budget -= len(draft)
@@ -213,9 +228,11 @@ class Speculator:
         seq.num_computed_tokens = kept
         self.block_manager.mark_computed(seq.request_id, seq.token_ids + draft[: verdict.num_accepted])
         state.record(len(draft), verdict.num_accepted)
+        if state.draft_confidence is not None:
+            self._calibration(state.spec).record(state.draft_confidence, verdict.num_accepted)
         for stats in (self.statistics, state.statistics):
             stats.record_verify(len(draft), verdict.num_accepted, len(verdict.token_ids))
-        state.draft, state.draft_probs, state.masks = [], None, []
+        state.draft, state.draft_probs, state.draft_confidence, state.masks = [], None, None, []
         return verdict
 
     # -- helpers -------------------------------------------------------------------------------
@@ -232,7 +249,7 @@ class Speculator:
         assert state is not None
         spec = state.spec
         k = spec.num_speculative_tokens
-        if spec.adaptive:
+        if spec.adaptive and not states_confidence(state.proposer):  # else each draft is cut by its confidence
             alpha = state.acceptance_rate
             k = best_k(alpha, k, cost)
             if state.accepted + state.rejected > 0 and gain(alpha, k, cost) <= 1.0:
@@ -240,6 +257,20 @@ class Speculator:
                 return 0
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
         return max(0, min(k, room))
+
+    def _calibration(self, spec: SpeculationSpec) -> DraftCalibration:
+        calibration = self.calibrations.get(spec.key)
+        if calibration is None:
+            calibration = self.calibrations[spec.key] = DraftCalibration()
+        return calibration
+
+    def _confident_length(self, seq: Sequence, proposal: Proposal, limit: int, cost: float) -> int:
+        """``limit``, cut where the proposal's calibrated confidence stops paying (adaptive specs)."""
+        state = seq.speculation
+        assert state is not None
+        if not state.spec.adaptive or proposal.confidence is None:
+            return limit
+        return min(limit, self._calibration(state.spec).best_length(proposal.confidence[:limit], cost))
 
     def _fit(self, seq: Sequence, proposal: Proposal, limit: int) -> list[int]:
         """The part of ``proposal`` this step verifies; reserves its KV slots and records it on ``seq``."""
@@ -266,6 +297,7 @@ class Speculator:
             bm.append_slots(seq.request_id, needed)
         state.draft = draft
         state.draft_probs = None if proposal.probs is None else proposal.probs[: len(draft)].float().cpu()
+        state.draft_confidence = None if proposal.confidence is None else list(proposal.confidence[: len(draft)])
         state.masks = masks or [None] * (len(draft) + 1)
         return draft
 

@@ -8,14 +8,20 @@ from pydantic import Field, model_validator
 
 from loopstack.plugin import PluginConfig
 
-__all__ = ["SpecDecodeConfig"]
+__all__ = ["DEFAULT_K", "SpecDecodeConfig"]
+
+# k when unset: suffix states a confidence per draft token, so its drafts are cut one by one and a
+# long cap costs nothing where the match is short (measured: docs/techniques/spec-decode.md)
+DEFAULT_K = {"suffix": 24, "ngram": 7, "draft_model": 7}
 
 
 class SpecDecodeConfig(PluginConfig):
     proposer: Literal["suffix", "ngram", "draft_model"] = Field(
         "ngram", description="where draft tokens come from: ngram (prompt lookup; the faster one measured here), "
         "suffix (SuffixDecoding) or draft_model (a smaller model with the target's tokenizer)")
-    num_speculative_tokens: int = Field(7, ge=1, le=32, description="the most draft tokens verified per step (k)")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=32, description="the most draft tokens verified per step (k); unset: 24 for suffix (whose "
+        "drafts adaptive k cuts by their stated confidence), 7 for ngram and draft_model")
     adaptive: bool = Field(True, description="adapt k per sequence to its recent acceptance")
     max_batch_size: int = Field(
         4, ge=1, description="speculate only in steps of at most this many sequences (measured on 2 CPU cores: "
@@ -41,6 +47,11 @@ class SpecDecodeConfig(PluginConfig):
     draft_cost: float | None = Field(
         None, gt=0, description="draft_model: one draft token's cost as a share of the target's decode step, "
         "for adaptive k; unset: the ratio of the two models' weight bytes")
+
+    @property
+    def k(self) -> int:
+        """``num_speculative_tokens``, or the proposer's default where it is unset."""
+        return self.num_speculative_tokens or DEFAULT_K[self.proposer]
 
     @model_validator(mode="after")
     def _check(self) -> SpecDecodeConfig:

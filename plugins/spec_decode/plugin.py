@@ -39,7 +39,7 @@ def build_spec(config: SpecDecodeConfig) -> SpeculationSpec:
         options = NgramOptions(min_n=config.min_n, max_n=config.max_n)
         factory = functools.partial(NgramProposer, options=options)
     return SpeculationSpec(factory, key=f"{config.proposer}:{options!r}",
-                           num_speculative_tokens=config.num_speculative_tokens, adaptive=config.adaptive,
+                           num_speculative_tokens=config.k, adaptive=config.adaptive,
                            max_batch_size=config.max_batch_size)
 
 

@@ -9,17 +9,24 @@ recently finished requests, bounded in tokens. Both are looked up; the candidate
 accepted tokens wins. The draft is at most ``spec_factor`` times the match length (a long match
 is a confident one) and stops where the estimated probability of the prefix falls below
 ``min_prob``.
+
+Each draft token carries a confidence (:attr:`Proposal.confidence`): the share of the match's
+occurrences that continue with it, times ``m / (m + 1)`` for the match length ``m`` it extends
+(the tail matched plus the draft tokens before it). The engine calibrates it and cuts the draft
+where it stops paying, so a long match drafts long and a short one drafts a token or two.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loopstack.engine.seams.speculation import Proposal, ProposerContext, SpeculatingSequence
-from loopstack.plugins.spec_decode.token_index import Continuation, SequenceIndex, TokenIndex
+from loopstack.plugins.spec_decode.token_index import Continuation, Match, SequenceIndex, TokenIndex
 
 __all__ = ["SuffixOptions", "SuffixProposer"]
 
@@ -36,13 +43,15 @@ class SuffixOptions:
 class SuffixProposer:
     """The ``suffix`` proposer (see the module docstring)."""
 
+    states_confidence = True
+
     def __init__(self, context: ProposerContext, options: SuffixOptions | None = None) -> None:
         self.options = options or SuffixOptions()
         self._tracked: dict[str, SequenceIndex] = {}
         self._global: OrderedDict[str, TokenIndex] = OrderedDict()
 
     def propose(self, seqs: Sequence[SpeculatingSequence], max_tokens: Sequence[int]) -> list[Proposal]:
-        return [Proposal(self._draft(seq, limit)) if limit > 0 else Proposal([]) for seq, limit in zip(seqs, max_tokens)]
+        return [self._draft(seq, limit) if limit > 0 else Proposal([]) for seq, limit in zip(seqs, max_tokens)]
 
     def finish(self, seq: SpeculatingSequence) -> None:
         self._tracked.pop(seq.request_id, None)
@@ -53,14 +62,14 @@ class SuffixProposer:
             if len(index) > self.options.global_tokens * 2:
                 index.compact(self.options.global_tokens)
 
-    def _draft(self, seq: SpeculatingSequence, limit: int) -> list[int]:
+    def _draft(self, seq: SpeculatingSequence, limit: int) -> Proposal:
         options = self.options
         own = self._tracked.get(seq.request_id)
         if own is None:
             own = self._tracked[seq.request_id] = SequenceIndex(max_match=options.max_match)
         own.catch_up(seq)
         context = own.tokens
-        best = Continuation([], [])
+        best, best_confidence, best_expected = Continuation([], []), [], 0.0
         sources: list[TokenIndex] = [own]
         shared = self._global.get(seq.salt)
         if shared is not None:
@@ -71,9 +80,11 @@ class SuffixProposer:
                 continue
             budget = min(limit, max(1, math.ceil(options.spec_factor * match.length)))
             candidate = index.continuation(match, budget, options.min_prob)
-            if candidate.expected_accepted > best.expected_accepted:
-                best = candidate
-        return best.token_ids
+            confidence = draft_confidence(match, candidate)
+            expected = sum(itertools.accumulate(confidence, operator.mul))
+            if expected > best_expected:
+                best, best_confidence, best_expected = candidate, confidence, expected
+        return Proposal(best.token_ids, confidence=best_confidence)
 
     def _global_index(self, salt: str) -> TokenIndex:
         index = self._global.get(salt)
@@ -83,3 +94,14 @@ class SuffixProposer:
                 self._global.popitem(last=False)
         self._global.move_to_end(salt)
         return index
+
+
+def draft_confidence(match: Match, continuation: Continuation) -> list[float]:
+    """Per draft token: the share of occurrences continuing with it among those that continued
+    with the tokens before, times ``m / (m + 1)`` for the match length ``m`` it extends."""
+    out, before = [], 1.0
+    for i, prob in enumerate(continuation.probs):
+        length = match.length + i
+        out.append((prob / before if before > 0 else 0.0) * length / (length + 1))
+        before = prob
+    return out

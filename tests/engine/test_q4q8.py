@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loopstack.engine.model import extension
-from loopstack.engine.model.quant import pack_q4, pack_q8
+from loopstack.engine.model.quant import Int8RescoredHead, pack_q4, pack_q8
 
 pytestmark = pytest.mark.skipif(not extension.has_q4q8(), reason="the q4q8 kernel needs AVX-512 VNNI and the extension")
 
@@ -71,3 +71,15 @@ def test_shapes_it_cannot_tile_are_refused_with_the_sizes():
     packed, dm = pack_q4(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="shapes do not match"):
         extension.q4q8_matmul(torch.randn(2, 96), packed, dm)
+
+
+def test_the_q8_head_scores_a_row_alike_in_a_plain_step_and_in_a_long_verification():
+    """A 24-token draft verifies 25 rows: each row's logits must be the ones a one-row decode step
+    computes (greedy speculation relies on it), so the q8 head serves past 16 rows too."""
+    torch.manual_seed(2)
+    head = Int8RescoredHead(torch.randn(320, 64) * 0.05)
+    assert head.q8 is not None
+    rows = torch.randn(33, 64)
+    together = head(rows)
+    for i in (0, 16, 24, 32):
+        assert torch.equal(head(rows[i : i + 1])[0], together[i])

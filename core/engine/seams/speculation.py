@@ -23,7 +23,7 @@ from loopstack.engine.sampling_params import SamplingParams
 
 __all__ = [
     "Proposal", "Proposer", "ProposerContext", "ProposerFactory", "SpeculatingSequence", "SpeculationSpec",
-    "proposer_cost",
+    "proposer_cost", "states_confidence",
 ]
 
 
@@ -45,10 +45,18 @@ class Proposal:
     ``probs``: ``[len(token_ids), V]`` float32, the distribution each draft token was drawn from
     (a draft model sampling); ``None`` for a deterministic draft (model-free proposers, greedy
     drafts). Rejection sampling uses it so the output distribution stays the target's.
+
+    ``confidence``: per draft token, the proposer's estimate that the target accepts it given it
+    accepted the tokens before (any monotone score in [0, 1]: the engine calibrates it, see
+    :mod:`loopstack.engine.draft_calibration`); ``None``: no estimate. A proposer whose proposals
+    carry one declares ``states_confidence = True``: adaptive k then asks it for up to k tokens and
+    cuts each draft where its calibrated confidence stops paying, instead of capping every draft
+    of the sequence by its recent acceptance rate.
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,12 @@ def proposer_cost(proposer: Proposer) -> float:
     proposer's optional ``cost_per_token`` attribute (a draft model's forward), 0 without one
     (model-free proposers: a lookup is free next to a forward). Adaptive k weighs it."""
     return float(getattr(proposer, "cost_per_token", 0.0))
+
+
+def states_confidence(proposer: Proposer) -> bool:
+    """Whether ``proposer``'s proposals carry :attr:`Proposal.confidence` (its optional
+    ``states_confidence`` attribute; False without one)."""
+    return bool(getattr(proposer, "states_confidence", False))
 
 
 ProposerFactory = Callable[[ProposerContext], Proposer]

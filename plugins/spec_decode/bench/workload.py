@@ -13,7 +13,7 @@ sessions), never an earlier run of the same request. Every output is compared to
 with the ``off`` column's (``identical``: the share that match).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
-``k`` (num_speculative_tokens, 7), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
+``k`` (num_speculative_tokens; unset: each proposer's default, 24 for suffix and 7 for ngram), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
 (8; 0 for the whole draft model), ``draft_k`` (3), ``model`` (the target: a built-in name, a .gguf
 file or a Hugging Face directory; the default model), ``draft_model`` (the draft, likewise; the
 target), ``device`` (auto: CUDA where torch sees one). On a GPU, a Hugging Face pair with a shared
@@ -74,7 +74,7 @@ class SpecWorkload(Workload):
                 "max_tokens": int(extra.get("max_tokens", 48 if options.quick else 192)),
                 "per_kind": int(extra.get("per_kind", 1 if options.quick else 4)),
                 "chat": int(extra.get("chat", 2 if options.quick else 8)),
-                "k": int(extra.get("k", 7)),
+                "k": int(extra["k"]) if "k" in extra else None,
                 "max_batch_size": int(extra.get("max_batch_size", 4)),
                 "draft_layers": int(extra.get("draft_layers", 8)),
                 "draft_k": int(extra.get("draft_k", 3)),
@@ -122,6 +122,7 @@ class SpecWorkload(Workload):
                 self._engine.step()
         self._engine.block_manager.reset_prefix_cache()
         self._engine.speculator.proposers.clear()
+        self._engine.speculator.calibrations.clear()
 
     async def step(self, column: str, index: int) -> dict[str, float]:
         return await asyncio.to_thread(self._measure, column)
@@ -136,7 +137,9 @@ class SpecWorkload(Workload):
             batch = 8 if group.endswith("b8") else 1
             # a fresh proposer per group: the suffix global index must not remember this very request
             # from an earlier group or round (the groups share prompts, and greedy outputs repeat);
-            # a draft model is kept (loading it takes seconds) with its prefix cache emptied
+            # a draft model is kept (loading it takes seconds) with its prefix cache emptied; what the
+            # engine learned of a proposer's confidences starts over too
+            engine.speculator.calibrations.clear()
             for key, proposer in list(engine.speculator.proposers.items()):
                 if hasattr(proposer, "block_manager"):
                     proposer.block_manager.reset_prefix_cache()
@@ -189,4 +192,5 @@ class SpecWorkload(Workload):
         groups = {g: len(p) for g, p in self._groups.items()}
         engine = self._engine
         device = str(engine.model.device) if engine is not None else self._settings.get("device")
-        return {**self._settings, "groups": groups, "device": device}
+        k = {column: spec.num_speculative_tokens for column, spec in self._specs.items() if spec is not None}
+        return {**self._settings, "k": k, "groups": groups, "device": device}
