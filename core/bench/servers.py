@@ -96,7 +96,9 @@ def start_loopstack(stack: str | Path, *, port: int | None = None, timeout_s: fl
 
 
 def start_vllm(*, kv_events: str, kv_replay: str, max_model_len: int = 2048, port: int | None = None,
-               timeout_s: float = 600.0) -> Server:
+               timeout_s: float = 600.0, dev_mode: bool = False) -> Server:
+    """vLLM on one CPU thread with 1 GiB of KV cache; ``dev_mode``: its development endpoints too
+    (``POST /reset_prefix_cache``, which the routing bench calls between columns)."""
     python = vllm_python()
     if python is None:
         raise FileNotFoundError("vLLM is not installed here: run `make vllm`")
@@ -106,7 +108,7 @@ def start_vllm(*, kv_events: str, kv_replay: str, max_model_len: int = 2048, por
                "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", str(max_model_len), "--kv-events-config", json.dumps(config),
                "--enable-prompt-tokens-details"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
     return _start(command, f"http://127.0.0.1:{port}", "/health", timeout_s, "vLLM", env=env)
 
 

