@@ -10,11 +10,14 @@ no request is prefilling, so prefill is not in it; the prefix cache is emptied b
 so every column computes the same prompts the same way, and the proposers start empty, so the
 suffix global index only knows outputs of earlier requests of the same group (the ``recurring``
 sessions), never an earlier run of the same request. Every output is compared token for token
-with the ``off`` column's (``identical``: the share that match).
+with the ``off`` column's (``identical``: the share that match). ``{group}_drafting_steps``: the
+share of a column's decode steps in which some request verified a draft (at batch 8 only the tail
+of a batch, once at most ``max_batch_size`` requests are left, may draft).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
 ``k`` (num_speculative_tokens; unset: each proposer's default, 24 for suffix and 7 for ngram), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
-(8; 0 for the whole draft model), ``draft_k`` (3), ``model`` (the target: a built-in name, a .gguf
+(8; 0 for the whole draft model), ``draft_k`` (3), ``draft_adaptive`` (0; 1: adaptive k on for the
+draft, as a stack's default has it), ``model`` (the target: a built-in name, a .gguf
 file or a Hugging Face directory; the default model), ``draft_model`` (the draft, likewise; the
 target), ``device`` (auto: CUDA where torch sees one). On a GPU, a Hugging Face pair with a shared
 tokenizer: ``-o model=DIR -o draft_model=DIR -o draft_layers=0``.
@@ -39,6 +42,8 @@ COLUMNS = ("off", "ngram", "suffix", "draft_model")
 class _Run:
     decode_tokens: int = 0
     decode_s: float = 0.0
+    decode_steps: int = 0
+    drafting_steps: int = 0  # decode steps in which some sequence verified a draft
     outputs: list[list[int]] | None = None
 
     @property
@@ -70,7 +75,7 @@ class SpecWorkload(Workload):
 
         extra = options.extra
         try:
-            settings = {
+            settings: dict[str, Any] = {
                 "max_tokens": int(extra.get("max_tokens", 48 if options.quick else 192)),
                 "per_kind": int(extra.get("per_kind", 1 if options.quick else 4)),
                 "chat": int(extra.get("chat", 2 if options.quick else 8)),
@@ -78,6 +83,7 @@ class SpecWorkload(Workload):
                 "max_batch_size": int(extra.get("max_batch_size", 4)),
                 "draft_layers": int(extra.get("draft_layers", 8)),
                 "draft_k": int(extra.get("draft_k", 3)),
+                "draft_adaptive": bool(int(extra.get("draft_adaptive", 0))),
                 "model": str(extra.get("model", DEFAULT_MODEL)),
                 "device": str(extra.get("device", "auto")),
             }
@@ -105,7 +111,7 @@ class SpecWorkload(Workload):
                        "suffix": build_spec(SpecDecodeConfig(proposer="suffix", **common)),
                        "draft_model": build_spec(SpecDecodeConfig(
                            proposer="draft_model", draft_model=settings["draft_model"],
-                           draft_layers=settings["draft_layers"] or None, adaptive=False,
+                           draft_layers=settings["draft_layers"] or None, adaptive=settings["draft_adaptive"],
                            num_speculative_tokens=settings["draft_k"], max_batch_size=settings["max_batch_size"]))}
         await asyncio.to_thread(self._warm_up, agent[0])
 
@@ -147,6 +153,8 @@ class SpecWorkload(Workload):
                     del engine.speculator.proposers[key]
             run = self._run(prompts, spec, batch)
             metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
+            if spec is not None:
+                metrics[f"{group}_drafting_steps"] = round(run.drafting_steps / run.decode_steps, 3) if run.decode_steps else 0.0
             if column == "off":
                 self._reference[group] = run.outputs or []
             reference = self._reference.get(group)
@@ -173,11 +181,14 @@ class SpecWorkload(Workload):
             while any(not s.is_finished for s in seqs):
                 decoding = all(s.first_token_time is not None for s in seqs)
                 tokens = sum(len(s.output_token_ids) for s in seqs)
+                verifies = engine.speculator.statistics.num_verifies
                 began = time.perf_counter()
                 engine.step()
                 if decoding:
                     run.decode_s += time.perf_counter() - began
                     run.decode_tokens += sum(len(s.output_token_ids) for s in seqs) - tokens
+                    run.decode_steps += 1
+                    run.drafting_steps += engine.speculator.statistics.num_verifies > verifies
             run.outputs.extend(s.output_token_ids for s in seqs)  # type: ignore[union-attr]
         return run
 
