@@ -62,6 +62,8 @@ class ParallelSafetyConfig(PluginConfig):
         description="which classifier heads judge each item type (user `message`, tool content, generated `output`)")
     classifier_threshold: float | None = Field(None, gt=0, lt=1, description="one probability threshold for every "
                                                "head instead of the calibrated ones")
+    neighbour_gate: bool = Field(True, description="a classifier head with a neighbour gate flags only texts near an "
+                                 "attack it was fitted on (it abstains on kinds of text unlike any)")
     classifier_threads: int = Field(1, ge=1, description="torch threads of the classifier's own worker thread")
     fused_input: bool = Field(True, description="on the embedded engine, take the input check's features from the "
                               "request's own prefill (no forward of the guard's own)")

@@ -34,6 +34,8 @@ from loopstack.plugins.parallel_safety.features import (
 from loopstack.plugins.parallel_safety.guard import ITEM_TYPES, ItemType, Piece, Stage, Verdict
 from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH, CalibratedHeads
 
+ROW_FEATURES = ("pieces", "segments")  # a text's features are rows (its worst row scores): no gate
+
 CATEGORIES = ("jailbreak", "injection")
 CONTENT_OF_ITEM: dict[str, str] = {"message": "user", "function_call_output": "tool", "tool_search_output": "tool",
                                    "output": "output"}
@@ -71,6 +73,8 @@ class ClassifierGuard:
         threshold: one probability threshold for every head instead (an override).
         in_context: the heads of the fused check (default: the committed ones, when present
             and of the current format); ``fused=False`` never fuses.
+        neighbour_gate: a head with a neighbour gate flags only texts near an attack it was
+            fitted on (:mod:`.heads`); False: the threshold alone decides.
     """
 
     name = "smollm2_classifier"
@@ -79,8 +83,9 @@ class ClassifierGuard:
                  routes: Mapping[str, Sequence[str]] | None = None,
                  max_false_positive_rate: float = DEFAULT_MAX_FALSE_POSITIVE_RATE, threshold: float | None = None,
                  threads: int = 1, in_context: CalibratedHeads | None = None, fused: bool = True,
-                 segment_features: SegmentFeatures | None = None) -> None:
+                 segment_features: SegmentFeatures | None = None, neighbour_gate: bool = True) -> None:
         self.heads = heads or CalibratedHeads.load()
+        self.neighbour_gate = neighbour_gate
         self.routes: dict[str, tuple[str, ...]] = {t: tuple(c) for t, c in (routes or DEFAULT_ROUTES).items()}
         unknown = set(self.routes) - set(ITEM_TYPES)
         if unknown:
@@ -152,6 +157,9 @@ class ClassifierGuard:
         routed = self.routes[item_type] if categories is None else categories
         scores = {c: heads.heads[c].text_probability(features[heads.heads[c].features]) for c in routed}
         over = [(c, p) for c, p in scores.items() if p >= thresholds[item_type, c]]
+        if self.neighbour_gate:  # a head abstains on a text unlike every attack it was fitted on
+            over = [(c, p) for c, p in over if heads.heads[c].features in ROW_FEATURES
+                    or heads.heads[c].supported(features[heads.heads[c].features])]
         if over:
             category, score = max(over, key=lambda kv: kv[1])
             return Verdict.block(self.name, category, score, f"{item_type} >= {thresholds[item_type, category]:.3f}")

@@ -11,6 +11,11 @@ folds). On the labelled set of :mod:`.bench.dataset`:
   false-positive target; Platt scaling on the calibration split makes its scores
   probabilities; the benign calibration scores of every kind of content and source are kept
   for the thresholds, which hold the target on every source (:mod:`.heads`);
+* a hidden-state head gets a neighbour gate (:mod:`.heads`): its fitted unsafe texts, and
+  the similarity to the nearest of them a flagged text needs, a quantile of the calibration
+  attacks' similarities chosen by leave-one-source-out over the fit and calibration rows
+  (the lowest quantile at which no benign source, left out of the head's fit and
+  calibration, is flagged above the target; :func:`choose_gate`);
 * :func:`evaluate` reports, at the thresholds the target gives, the false-positive rate per
   kind of content and source (with a Wilson 95% interval) and the recall per attack family;
 * :func:`leave_one_source_out` fits and calibrates without one source at a time and
@@ -23,7 +28,7 @@ import hashlib
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,10 @@ HEAD_FEATURES = {JAILBREAK: "hidden_states", INJECTION: "pieces"}
 ROW_FEATURES = ("segments", "pieces")  # a text's features are rows, and it scores its worst row
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {USER: (JAILBREAK,), TOOL: (INJECTION,), OUTPUT: ()}
 L2_GRID = (1e-1, 1e-2, 1e-3)
+# the neighbour gate's candidates: none (-1), then these quantiles of the calibration attacks'
+# similarities to their nearest fitted attack (a quantile q lets at most about q of them through
+# the gate's side)
+GATE_QUANTILES = tuple(round(0.025 * i, 3) for i in range(21))
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,62 @@ def text_probabilities(head: Head, data: Labelled, rows: np.ndarray) -> np.ndarr
     return sigmoid(a * text_logits(head, data, rows) + b)
 
 
+def text_flags(head: Head, data: Labelled, rows: np.ndarray, threshold: float, gate: bool = True) -> np.ndarray:
+    """Whether the head flags each text of ``rows``: its probability at or above ``threshold``
+    and, for a gated head (unless ``gate`` is False), near enough to a fitted attack."""
+    flagged = text_probabilities(head, data, rows) >= threshold
+    if gate and head.neighbours is not None and head.features not in ROW_FEATURES:
+        flagged &= head.supported(data.x[rows])
+    return flagged
+
+
+def _with_neighbours(head: Head, data: Labelled, fit: np.ndarray) -> Head:
+    """``head`` with its fitted attacks as neighbours (unit rows in its standardized space), no gate yet."""
+    z = (data.x[fit & (data.category == head.category)] - head.mean) / head.std
+    return replace(head, neighbours=z / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-9), neighbour_gate=-1.0)
+
+
+def _gate_candidates(head: Head, data: Labelled, calibration: np.ndarray) -> np.ndarray:
+    """The gate of each of :data:`GATE_QUANTILES` (after -1, no gate) for ``head``."""
+    attacks = calibration & (data.content == HEAD_CONTENT[head.category]) & (data.category == head.category)
+    similarity = np.asarray(head.similarity(data.x[attacks]))
+    return np.concatenate([[-1.0], np.quantile(similarity, GATE_QUANTILES)])
+
+
+def choose_gate(data: Labelled, category: str, fit: np.ndarray, calibration: np.ndarray, l2: float,
+                max_false_positive_rate: float) -> tuple[int, list[float]]:
+    """Index into ``[-1] + GATE_QUANTILES`` of the weakest gate at which every benign source of
+    the head's content, left out of a fit and calibration on the others (``fit``/``calibration``
+    rows only), is flagged at most ``max_false_positive_rate`` of the time; the strongest gate
+    when none is. Also returns the worst left-out rate at each candidate."""
+    content = HEAD_CONTENT[category]
+    benign = (fit | calibration) & (data.content == content) & (data.category == BENIGN)
+    worst = np.zeros(len(GATE_QUANTILES) + 1)
+    for source in sorted(set(data.source[benign].tolist())):
+        keep = data.source != source
+        head = _with_neighbours(_calibrated(_fit_head(data, category, fit & keep, l2), data, calibration & keep),
+                                data, fit & keep)
+        held = benign & ~keep
+        passed = text_probabilities(head, data, held) >= head.threshold(content, max_false_positive_rate)
+        similarity = np.asarray(head.similarity(data.x[held]))
+        gates = _gate_candidates(head, data, calibration & keep)
+        worst = np.maximum(worst, [(passed & (similarity >= gate)).mean() for gate in gates])
+    within = np.flatnonzero(worst <= max_false_positive_rate)
+    return int(within[0]) if len(within) else len(worst) - 1, [round(float(w), 4) for w in worst]
+
+
+def _gated(head: Head, data: Labelled, fit: np.ndarray, calibration: np.ndarray, l2: float,
+           max_false_positive_rate: float) -> tuple[Head, dict[str, Any]]:
+    index, worst = choose_gate(data, head.category, fit, calibration, l2, max_false_positive_rate)
+    if index == 0:
+        return head, {"neighbour_gate": None, "gate_worst_left_out": worst}
+    gated = _with_neighbours(head, data, fit)
+    gate = float(_gate_candidates(gated, data, calibration)[index])
+    return replace(gated, neighbour_gate=gate), {"neighbour_gate": round(gate, 4),
+                                                 "neighbour_quantile": GATE_QUANTILES[index - 1],
+                                                 "gate_worst_left_out": worst}
+
+
 def _fit_head(data: Labelled, category: str, fit: np.ndarray, l2: float) -> Head:
     content = HEAD_CONTENT[category]
     sel = fit & (data.content == content) & np.isin(data.category, (BENIGN, category))
@@ -195,7 +260,7 @@ def _calibrated(head: Head, data: Labelled, calibration: np.ndarray) -> Head:
     content = HEAD_CONTENT[head.category]
     sel = calibration & (data.content == content) & np.isin(data.category, (BENIGN, head.category))
     a, b = platt(text_logits(head, data, sel), (data.category[sel] == head.category).astype(float))
-    calibrated = Head(head.category, head.mean, head.std, head.coef, head.intercept, (a, b), features=head.features)
+    calibrated = replace(head, platt=(a, b), benign={})
     benign: dict[str, dict[str, np.ndarray]] = {}
     rows = calibration & (data.category == BENIGN)
     if head.features in ROW_FEATURES:
@@ -203,21 +268,22 @@ def _calibrated(head: Head, data: Labelled, calibration: np.ndarray) -> Head:
     for content, source in sorted(set(zip(data.content[rows].tolist(), data.source[rows].tolist()))):
         sel = rows & (data.content == content) & (data.source == source)
         benign.setdefault(content, {})[source] = np.sort(text_probabilities(calibrated, data, sel))
-    return Head(head.category, head.mean, head.std, head.coef, head.intercept, (a, b), benign, head.features)
+    return replace(calibrated, benign=benign)
 
 
 def _recall_at(head: Head, data: Labelled, rows: np.ndarray, max_false_positive_rate: float) -> float:
     content = HEAD_CONTENT[head.category]
     threshold = head.threshold(content, max_false_positive_rate)
     positives = rows & (data.content == content) & (data.category == head.category)
-    return float((text_probabilities(head, data, positives) >= threshold).mean()) if positives.any() else 0.0
+    return float(text_flags(head, data, positives, threshold).mean()) if positives.any() else 0.0
 
 
 def fit_heads(data: Labelled, fit: np.ndarray, calibration: np.ndarray, *, max_false_positive_rate: float,
               num_layers: int, max_tokens: int, l2_grid: Iterable[float] = L2_GRID,
-              report: Mapping[str, Any] | None = None) -> CalibratedHeads:
+              report: Mapping[str, Any] | None = None, gate: bool = True) -> CalibratedHeads:
     """Fit every head on the ``fit`` rows, each with the L2 strength of best calibration recall
-    at the target, calibrated on the ``calibration`` rows."""
+    at the target, calibrated on the ``calibration`` rows; a hidden-state head then gets its
+    neighbour gate (:func:`choose_gate`; ``gate=False``: none)."""
     heads, chosen = {}, {}
     for category in HEAD_CONTENT:
         if not (fit & (data.category == category)).any():
@@ -230,13 +296,17 @@ def fit_heads(data: Labelled, fit: np.ndarray, calibration: np.ndarray, *, max_f
                 best = (recall, l2, head)
         assert best is not None
         heads[category], chosen[category] = best[2], {"l2": best[1], "calibration_recall": round(best[0], 4)}
+        if gate and best[2].features not in ROW_FEATURES:
+            heads[category], gating = _gated(best[2], data, fit, calibration, best[1], max_false_positive_rate)
+            chosen[category] |= gating | {"gated_calibration_recall": round(_recall_at(
+                heads[category], data, calibration, max_false_positive_rate), 4)}
     return CalibratedHeads(heads, num_layers, max_tokens, {**(report or {}), "heads": chosen})
 
 
 def flags(heads: CalibratedHeads, data: Labelled, rows: np.ndarray, max_false_positive_rate: float,
-          routes: Mapping[str, Sequence[str]] = DEFAULT_ROUTES) -> np.ndarray:
+          routes: Mapping[str, Sequence[str]] = DEFAULT_ROUTES, gate: bool = True) -> np.ndarray:
     """Whether each of ``rows`` is flagged by the heads routed to its content, at the target's
-    thresholds (``[N]`` booleans, False outside ``rows``)."""
+    thresholds (``[N]`` booleans, False outside ``rows``; ``gate=False``: neighbour gates off)."""
     out = np.zeros(len(data.category), dtype=bool)
     for content, categories in routes.items():
         sel = rows & (data.content == content)
@@ -244,7 +314,7 @@ def flags(heads: CalibratedHeads, data: Labelled, rows: np.ndarray, max_false_po
             if category not in heads.heads or not sel.any():
                 continue
             head = heads.heads[category]
-            out[sel] |= text_probabilities(head, data, sel) >= head.threshold(content, max_false_positive_rate)
+            out[sel] |= text_flags(head, data, sel, head.threshold(content, max_false_positive_rate), gate)
     return out
 
 
@@ -283,11 +353,12 @@ def evaluate(heads: CalibratedHeads, data: Labelled, rows: np.ndarray, max_false
 
 
 def leave_one_source_out(data: Labelled, *, max_false_positive_rate: float, num_layers: int, max_tokens: int,
-                         l2_grid: Iterable[float] = L2_GRID, progress: bool = True) -> dict[str, Any]:
+                         l2_grid: Iterable[float] = L2_GRID, progress: bool = True, gate: bool = True) -> dict[str, Any]:
     """For every benign source: fit and calibrate on the fit and calibration rows of the
     other sources, then measure on every row of the left-out one (false positives of its
     benign rows; recall of its injected rows when it is a carrier). ``worst`` names the
-    source with the highest false-positive rate."""
+    source with the highest false-positive rate. The neighbour gate is chosen inside each
+    fold, on the fold's own sources, so the left-out source never picks it."""
     from tqdm import tqdm
 
     train = data.split != "test"
@@ -298,7 +369,7 @@ def leave_one_source_out(data: Labelled, *, max_false_positive_rate: float, num_
         keep = train & (data.source != source)
         heads = fit_heads(data, keep & (data.split == "fit"), keep & (data.split == "calibration"),
                           max_false_positive_rate=max_false_positive_rate, num_layers=num_layers,
-                          max_tokens=max_tokens, l2_grid=l2_grid)
+                          max_tokens=max_tokens, l2_grid=l2_grid, gate=gate)
         held = data.source == source
         flagged = flags(heads, data, held, max_false_positive_rate)
         fold: dict[str, Any] = {"content": content,

@@ -17,6 +17,13 @@ The threshold holds the target on *every* calibration source, not on their pool:
 traffic is another source, and the leave-one-source-out folds showed a pooled threshold's
 rate multiplied several times on a source it had not seen (docs/techniques/parallel-safety.md).
 
+A hidden-state head may also carry a *neighbour gate*: the fitted unsafe texts (their unit
+vectors in the head's standardized space) and a cosine similarity. A text is flagged only
+when its probability reaches the threshold *and* it is at least that similar to one of them
+(:meth:`Head.supported`). A linear head extrapolates: a kind of text far from everything it
+was fitted on (long writing briefs, chit-chat) can land on the unsafe side of the plane; the
+gate makes the head abstain there, so it flags only texts near attacks of a known kind.
+
 Written by ``scripts/fit_safety_guard.py`` (:mod:`.fitting`), loaded by :mod:`.classifier`.
 """
 
@@ -39,6 +46,11 @@ FORMAT = 2  # heads per category with calibration; format 1 (uncalibrated, one t
 
 def sigmoid(z: Any) -> Any:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.float64)
+    return rows / (np.linalg.norm(rows, axis=1, keepdims=True) + 1e-12)
 
 
 def threshold_for(benign: np.ndarray, max_false_positive_rate: float) -> float:
@@ -65,6 +77,23 @@ class Head:
     platt: tuple[float, float]  # (a, b)
     benign: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # content -> source -> benign scores
     features: str = "hidden_states"  # or "pieces"/"segments": x is [rows, F] and a text scores its worst row
+    neighbours: np.ndarray | None = None  # [P, F] unit rows of the fitted unsafe texts (standardized): the gate
+    neighbour_gate: float = -1.0  # the cosine similarity to the nearest neighbour a flagged text needs
+
+    def similarity(self, x: np.ndarray) -> np.ndarray | float:
+        """Cosine similarity of feature rows ``x`` (``[F]`` or ``[N, F]``) to the nearest
+        neighbour, in the head's standardized space (1.0 for a head without neighbours)."""
+        if self.neighbours is None:
+            return 1.0 if np.ndim(x) == 1 else np.ones(len(x))
+        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.std
+        z = z / (np.linalg.norm(z, axis=-1, keepdims=True) + 1e-9)
+        nearest = (z @ self.neighbours.T).max(axis=-1)
+        return float(nearest) if np.ndim(x) == 1 else nearest
+
+    def supported(self, x: np.ndarray) -> Any:
+        """Whether the gate lets the head flag ``x``: near enough to a fitted unsafe text
+        (always, for a head without a gate)."""
+        return self.similarity(x) >= self.neighbour_gate
 
     def logit(self, x: np.ndarray) -> np.ndarray:
         """Raw logits of feature rows ``x`` (``[F]`` or ``[N, F]``)."""
@@ -129,6 +158,11 @@ class CalibratedHeads:
                        f"{name}.features": np.array(head.features),
                        f"{name}.calibration": np.array([f"{c}/{s}" for c in sorted(head.benign)
                                                         for s in sorted(head.benign[c])])}
+            if head.neighbours is not None:  # int8 codes with a scale per row (a quarter of float32)
+                scale = np.abs(head.neighbours).max(axis=1, keepdims=True) / 127 + 1e-12
+                arrays |= {f"{name}.neighbours": np.round(head.neighbours / scale).astype(np.int8),
+                           f"{name}.neighbour_scale": scale.astype(np.float32),
+                           f"{name}.neighbour_gate": np.float64(head.neighbour_gate)}
             arrays |= {f"{name}.benign.{content}/{source}": scores.astype(np.float64)
                        for content, sources in head.benign.items() for source, scores in sources.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +180,10 @@ class CalibratedHeads:
                 for key in (str(k) for k in data[f"{name}.calibration"]):
                     content, source = key.split("/", 1)
                     benign.setdefault(content, {})[source] = data[f"{name}.benign.{key}"]
+                gated = f"{name}.neighbours" in data
                 heads[name] = Head(name, data[f"{name}.mean"].astype(np.float64), data[f"{name}.std"].astype(np.float64),
                                    data[f"{name}.coef"].astype(np.float64), float(data[f"{name}.intercept"]), (a, b),
-                                   benign, str(data[f"{name}.features"]))
+                                   benign, str(data[f"{name}.features"]),
+                                   _unit(data[f"{name}.neighbours"] * data[f"{name}.neighbour_scale"]) if gated else None,
+                                   float(data[f"{name}.neighbour_gate"]) if gated else -1.0)
             return cls(heads, int(data["num_layers"]), int(data["max_tokens"]), json.loads(str(data["report"])))

@@ -49,7 +49,8 @@ class BuiltinGuards:
                                                    max_false_positive_rate=self.config.max_false_positive_rate,
                                                    threshold=self.config.classifier_threshold,
                                                    threads=self.config.classifier_threads,
-                                                   fused=self.config.fused_input)
+                                                   fused=self.config.fused_input,
+                                                   neighbour_gate=self.config.neighbour_gate)
         except BaseException as exc:
             self._error = exc
         finally:

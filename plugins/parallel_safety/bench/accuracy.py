@@ -16,7 +16,8 @@ default routes and ``max_false_positive_rate``):
   ``hold_until_pass`` (fused where it can be: ``everyday.served_fused_frac``), as the
   ``full`` stack serves them.
 * ``loso.*`` (needs ``../shared/data``): leave-one-source-out, refitted here for every
-  benign source from cached features (:func:`.fitting.leave_one_source_out`): the
+  benign source from cached features (:func:`.fitting.leave_one_source_out`; the
+  neighbour gate chosen again inside each fold, without the left-out source): the
   false-positive rate on the left-out source, and recall on it when it carries injections;
   ``loso.fp.worst`` is the highest. The pattern guard has nothing fitted: its figure is
   its false-positive rate on each source.
@@ -86,7 +87,8 @@ def everyday(classifier: Any, patterns: Any, tokenizer: Any, chunking: Chunking,
     refused: dict[str, list[bool]] = {}
     output_heads = {f"output[{c}]": ClassifierGuard(classifier.heads, classifier.features, routes={"output": (c,)},
                                                     max_false_positive_rate=classifier.max_false_positive_rate,
-                                                    fused=False, segment_features=classifier.segment_features)
+                                                    fused=False, segment_features=classifier.segment_features,
+                                                    neighbour_gate=classifier.neighbour_gate)
                     for c in classifier.heads.categories}
     for item in items:
         if item.stage == "input":
@@ -126,7 +128,8 @@ def dataset(classifier: Any, patterns: Any, data_dir: Path, *, cache: Path = FEA
     chosen = heads.report.get("heads", {})
     l2_grid = sorted({float(h["l2"]) for h in chosen.values()}) or None  # the shipped strengths: refits, not searches
     loso = leave_one_source_out(data, max_false_positive_rate=target, num_layers=heads.num_layers,
-                                max_tokens=heads.max_tokens, **({"l2_grid": l2_grid} if l2_grid else {}))
+                                max_tokens=heads.max_tokens, gate=classifier.neighbour_gate,
+                                **({"l2_grid": l2_grid} if l2_grid else {}))
     for source, fold in loso["folds"].items():
         key, fp = f"loso.fp.smollm2_classifier.{fold['content']}.{source}", fold["false_positives"]
         out[key], out[key + ".ci_hi"] = float(fp["rate"]), fp["ci95"][1]
@@ -139,7 +142,7 @@ def dataset(classifier: Any, patterns: Any, data_dir: Path, *, cache: Path = FEA
         _put(out, f"source.fp.injection_patterns.{content}.{source}", pattern_flags[benign & (data.source == source)],
              ci=False)
     test = data.split == "test"
-    shipped = flags(heads, data, test, target)
+    shipped = flags(heads, data, test, target, gate=classifier.neighbour_gate)
     attacks = test & ~benign
     kinds = np.array([a.split("/")[0] + ("/" + a.split("/")[1] if a.startswith("garak/") else "") for a in data.attack])
     for kind in sorted(set(kinds[attacks].tolist())):

@@ -54,6 +54,72 @@ def test_a_row_head_scores_a_text_by_its_worst_row(features):
     assert head.text_probability(segments) == pytest.approx(1 / (1 + np.exp(-(2.0 * 3.0 - 1.0))))
 
 
+def gated_head(gate: float) -> Head:
+    """A head that scores by the first feature, with two fitted attacks as neighbours."""
+    neighbours = np.array([[1.0, 0.0], [0.6, 0.8]])
+    return Head("jailbreak", np.zeros(2), np.ones(2), np.array([1.0, 0.0]), 0.0, (1.0, 0.0),
+                {"user": {"a": np.linspace(0, 0.5, 100)}}, neighbours=neighbours, neighbour_gate=gate)
+
+
+def test_a_gated_head_flags_only_texts_near_a_fitted_attack():
+    head = gated_head(0.9)
+    near, far = np.array([5.0, 0.5]), np.array([5.0, -5.0])  # both score high on the plane
+    assert head.text_probability(near) > 0.99 and head.text_probability(far) > 0.99
+    assert head.similarity(near) == pytest.approx(5.0 / np.hypot(5.0, 0.5))
+    assert head.supported(near) and not head.supported(far)
+    assert head.supported(np.array([near, far])).tolist() == [True, False]
+    ungated = Head("jailbreak", np.zeros(2), np.ones(2), np.array([1.0, 0.0]), 0.0, (1.0, 0.0))
+    assert ungated.supported(far) and ungated.similarity(far) == 1.0
+
+
+def test_the_guard_lets_a_text_unlike_every_attack_through_unless_the_gate_is_off():
+    from loopstack.plugins.parallel_safety.classifier import ClassifierGuard
+
+    heads = CalibratedHeads({"jailbreak": gated_head(0.9)}, 8, 128, {})
+    far = {"hidden_states": np.array([5.0, -5.0])}
+    near = {"hidden_states": np.array([5.0, 0.5])}
+    for gate, far_passes in ((True, True), (False, False)):
+        guard = ClassifierGuard(heads, features=object(), routes={"message": ["jailbreak"]}, fused=False,  # type: ignore[arg-type]
+                                neighbour_gate=gate)
+        assert guard._verdict(heads, guard.thresholds, "message", far).passed is far_passes
+        assert not guard._verdict(heads, guard.thresholds, "message", near).passed
+
+
+def test_gated_heads_save_and_load_their_neighbours(tmp_path):
+    heads = CalibratedHeads({"jailbreak": gated_head(0.75)}, 8, 128, {"heads": {}})
+    heads.save(tmp_path / "gated.npz")
+    head = CalibratedHeads.load(tmp_path / "gated.npz").heads["jailbreak"]
+    assert head.neighbour_gate == 0.75 and np.allclose(head.neighbours, gated_head(0.75).neighbours, atol=1e-2)
+
+
+def test_choose_gate_takes_the_weakest_gate_that_holds_every_left_out_source():
+    from loopstack.plugins.parallel_safety.bench.dataset import Example
+    from loopstack.plugins.parallel_safety.fitting import GATE_QUANTILES, Labelled, choose_gate, fit_heads
+
+    rng = np.random.default_rng(0)
+    examples, rows = [], []
+    # attacks near one direction; two benign sources near the origin; a third benign source
+    # ("briefs") far from both, on the attacks' side of any plane fitted without it
+    for category, source, centre, n in (("jailbreak", "attacks", (4.0, 0.0, 0.0), 240),
+                                        ("benign", "chat", (-1.0, 0.0, 0.0), 240),
+                                        ("benign", "questions", (-1.0, 0.5, 0.0), 240),
+                                        ("benign", "briefs", (2.0, 0.0, 6.0), 240)):
+        for i in range(n):
+            split = ("fit", "fit", "calibration", "test")[i % 4]
+            examples.append(Example(f"{source}{i}", category, "user", source, split))
+            rows.append(np.array(centre) + rng.normal(0, 0.5, 3))
+    data = Labelled.of(examples, np.array(rows))
+    fit, calibration = data.split == "fit", data.split == "calibration"
+    index, worst = choose_gate(data, "jailbreak", fit, calibration, 1e-2, 0.01)
+    assert worst[0] > 0.5  # no gate: the briefs, left out, land on the attacks' side
+    assert 0 < index and worst[index] <= 0.01 and all(w > 0.01 for w in worst[:index])
+    heads = fit_heads(data, fit, calibration, max_false_positive_rate=0.01, num_layers=8, max_tokens=128)
+    head = heads.heads["jailbreak"]
+    assert head.neighbours is not None and heads.report["heads"]["jailbreak"]["neighbour_quantile"] == GATE_QUANTILES[index - 1]
+    assert fit_heads(data, fit, calibration, max_false_positive_rate=0.01, num_layers=8, max_tokens=128,
+                     gate=False).heads["jailbreak"].neighbours is None
+
+
 def test_saved_heads_load_back_equal(tmp_path):
     heads = CalibratedHeads.load()
     heads.save(tmp_path / "copy.npz")
