@@ -205,11 +205,15 @@ def choose_gate(data: Labelled, category: str, fit: np.ndarray, calibration: np.
     """Index into ``[-1] + GATE_QUANTILES`` of the weakest gate at which every benign source of
     the head's content, left out of a fit and calibration on the others (``fit``/``calibration``
     rows only), is flagged at most ``max_false_positive_rate`` of the time; the strongest gate
-    when none is. Also returns the worst left-out rate at each candidate."""
+    when none is; no gate (0) with fewer than two benign sources to leave out. Also returns the
+    worst left-out rate at each candidate."""
     content = HEAD_CONTENT[category]
     benign = (fit | calibration) & (data.content == content) & (data.category == BENIGN)
+    sources = sorted(set(data.source[benign].tolist()))
+    if len(sources) < 2:
+        return 0, []
     worst = np.zeros(len(GATE_QUANTILES) + 1)
-    for source in sorted(set(data.source[benign].tolist())):
+    for source in sources:
         keep = data.source != source
         head = _with_neighbours(_calibrated(_fit_head(data, category, fit & keep, l2), data, calibration & keep),
                                 data, fit & keep)
