@@ -34,8 +34,6 @@ from loopstack.plugins.parallel_safety.features import (
 from loopstack.plugins.parallel_safety.guard import ITEM_TYPES, ItemType, Piece, Stage, Verdict
 from loopstack.plugins.parallel_safety.heads import IN_CONTEXT_WEIGHTS_PATH, CalibratedHeads
 
-ROW_FEATURES = ("pieces", "segments")  # a text's features are rows (its worst row scores): no gate
-
 CATEGORIES = ("jailbreak", "injection")
 CONTENT_OF_ITEM: dict[str, str] = {"message": "user", "function_call_output": "tool", "tool_search_output": "tool",
                                    "output": "output"}
@@ -158,8 +156,7 @@ class ClassifierGuard:
         scores = {c: heads.heads[c].text_probability(features[heads.heads[c].features]) for c in routed}
         over = [(c, p) for c, p in scores.items() if p >= thresholds[item_type, c]]
         if self.neighbour_gate:  # a head abstains on a text unlike every attack it was fitted on
-            over = [(c, p) for c, p in over if heads.heads[c].features in ROW_FEATURES
-                    or heads.heads[c].supported(features[heads.heads[c].features])]
+            over = [(c, p) for c, p in over if heads.heads[c].supported(features[heads.heads[c].features])]
         if over:
             category, score = max(over, key=lambda kv: kv[1])
             return Verdict.block(self.name, category, score, f"{item_type} >= {thresholds[item_type, category]:.3f}")

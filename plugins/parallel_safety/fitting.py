@@ -43,11 +43,10 @@ from loopstack.plugins.parallel_safety.bench.dataset import (
     USER,
     Example,
 )
-from loopstack.plugins.parallel_safety.heads import CalibratedHeads, Head, sigmoid
+from loopstack.plugins.parallel_safety.heads import ROW_FEATURES, CalibratedHeads, Head, sigmoid, unit_rows
 
 HEAD_CONTENT = {JAILBREAK: USER, INJECTION: TOOL}  # what each head is fitted and calibrated on
 HEAD_FEATURES = {JAILBREAK: "hidden_states", INJECTION: "pieces"}
-ROW_FEATURES = ("segments", "pieces")  # a text's features are rows, and it scores its worst row
 DEFAULT_ROUTES: dict[str, tuple[str, ...]] = {USER: (JAILBREAK,), TOOL: (INJECTION,), OUTPUT: ()}
 L2_GRID = (1e-1, 1e-2, 1e-3)
 # the neighbour gate's candidates: none (-1), then these quantiles of the calibration attacks'
@@ -182,7 +181,7 @@ def text_flags(head: Head, data: Labelled, rows: np.ndarray, threshold: float, g
     """Whether the head flags each text of ``rows``: its probability at or above ``threshold``
     and, for a gated head (unless ``gate`` is False), near enough to a fitted attack."""
     flagged = text_probabilities(head, data, rows) >= threshold
-    if gate and head.neighbours is not None and head.features not in ROW_FEATURES:
+    if gate and head.neighbours is not None:
         flagged &= head.supported(data.x[rows])
     return flagged
 
@@ -190,7 +189,7 @@ def text_flags(head: Head, data: Labelled, rows: np.ndarray, threshold: float, g
 def _with_neighbours(head: Head, data: Labelled, fit: np.ndarray) -> Head:
     """``head`` with its fitted attacks as neighbours (unit rows in its standardized space), no gate yet."""
     z = (data.x[fit & (data.category == head.category)] - head.mean) / head.std
-    return replace(head, neighbours=z / (np.linalg.norm(z, axis=1, keepdims=True) + 1e-9), neighbour_gate=-1.0)
+    return replace(head, neighbours=unit_rows(z), neighbour_gate=-1.0)
 
 
 def _gate_candidates(head: Head, data: Labelled, calibration: np.ndarray) -> np.ndarray:

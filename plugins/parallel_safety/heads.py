@@ -41,6 +41,7 @@ DATA = Path(__file__).resolve().parent / "data"
 WEIGHTS_PATH = DATA / "safety_guard.npz"
 IN_CONTEXT_WEIGHTS_PATH = DATA / "safety_guard_in_context.npz"
 MODEL_FINGERPRINT = ("architecture", "hidden_size", "num_layers", "vocab_size")
+ROW_FEATURES = ("segments", "pieces")  # a text's features are rows, and it scores its worst row
 FORMAT = 2  # heads per category with calibration; format 1 (uncalibrated, one threshold) is refused
 
 
@@ -48,9 +49,10 @@ def sigmoid(z: Any) -> Any:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
 
-def _unit(rows: np.ndarray) -> np.ndarray:
+def unit_rows(rows: np.ndarray) -> np.ndarray:
+    """``rows`` (``[F]`` or ``[N, F]``) scaled to unit length."""
     rows = np.asarray(rows, dtype=np.float64)
-    return rows / (np.linalg.norm(rows, axis=1, keepdims=True) + 1e-12)
+    return rows / (np.linalg.norm(rows, axis=-1, keepdims=True) + 1e-12)
 
 
 def threshold_for(benign: np.ndarray, max_false_positive_rate: float) -> float:
@@ -85,14 +87,14 @@ class Head:
         neighbour, in the head's standardized space (1.0 for a head without neighbours)."""
         if self.neighbours is None:
             return 1.0 if np.ndim(x) == 1 else np.ones(len(x))
-        z = (np.asarray(x, dtype=np.float64) - self.mean) / self.std
-        z = z / (np.linalg.norm(z, axis=-1, keepdims=True) + 1e-9)
-        nearest = (z @ self.neighbours.T).max(axis=-1)
+        nearest = (unit_rows((np.asarray(x, dtype=np.float64) - self.mean) / self.std) @ self.neighbours.T).max(axis=-1)
         return float(nearest) if np.ndim(x) == 1 else nearest
 
     def supported(self, x: np.ndarray) -> Any:
-        """Whether the gate lets the head flag ``x``: near enough to a fitted unsafe text
-        (always, for a head without a gate)."""
+        """Whether the gate lets the head flag the text(s) of ``x``: near enough to a fitted
+        unsafe text (always, for a head without a gate or one that scores rows)."""
+        if self.features in ROW_FEATURES:
+            return True
         return self.similarity(x) >= self.neighbour_gate
 
     def logit(self, x: np.ndarray) -> np.ndarray:
@@ -184,6 +186,6 @@ class CalibratedHeads:
                 heads[name] = Head(name, data[f"{name}.mean"].astype(np.float64), data[f"{name}.std"].astype(np.float64),
                                    data[f"{name}.coef"].astype(np.float64), float(data[f"{name}.intercept"]), (a, b),
                                    benign, str(data[f"{name}.features"]),
-                                   _unit(data[f"{name}.neighbours"] * data[f"{name}.neighbour_scale"]) if gated else None,
+                                   unit_rows(data[f"{name}.neighbours"] * data[f"{name}.neighbour_scale"]) if gated else None,
                                    float(data[f"{name}.neighbour_gate"]) if gated else -1.0)
             return cls(heads, int(data["num_layers"]), int(data["max_tokens"]), json.loads(str(data["report"])))
