@@ -201,7 +201,7 @@ def test_int4_linear_is_exact_on_a_4bit_grid():
     expected = x @ weight.T
     # the kernel rounds activations and its output to bfloat16: ~2**-8 relative
     torch.testing.assert_close(layer(x), expected, atol=0.01 * expected.abs().max().item(), rtol=0)
-    many_rows = torch.randn(12, 96)  # past DENSE_ABOVE_ROWS: the float32 weights, exactly
+    many_rows = torch.randn(layer.dense_above_rows + 1, 96)  # past the kernel's rows: the float32 weights, exactly
     torch.testing.assert_close(layer(many_rows), many_rows @ weight.T, atol=1e-5, rtol=0)
 
 

@@ -83,3 +83,25 @@ def test_the_q8_head_scores_a_row_alike_in_a_plain_step_and_in_a_long_verificati
     together = head(rows)
     for i in (0, 16, 24, 32):
         assert torch.equal(head(rows[i : i + 1])[0], together[i])
+
+
+@pytest.mark.parametrize("pack", [pack_q4, pack_q8], ids=["q4", "q8"])
+def test_the_amx_kernel_gives_the_vnni_kernels_bits(pack):
+    """Where the CPU has AMX tiles, inputs of many rows take them (csrc/q4q8_amx.cpp): every output
+    must be the VNNI kernel's, bit for bit, at every row count (below, at and past a tile's 16)."""
+    kernels = extension.load_extension()
+    if not kernels.q4q8_use_amx(True):
+        pytest.skip("no AMX tiles on this CPU (or LOOPSTACK_AMX=0): only the VNNI kernel runs")
+    torch.manual_seed(3)
+    packed, dm = pack(torch.randn(96, 1536) * 0.05)
+    try:
+        for rows in (1, 7, 8, 12, 16, 17, 29, 40):
+            x = torch.randn(rows, 1536)
+            x[:, 5] *= 40
+            with_tiles = extension.q4q8_matmul(x, packed, dm)
+            kernels.q4q8_use_amx(False)
+            without = extension.q4q8_matmul(x, packed, dm)
+            kernels.q4q8_use_amx(True)
+            assert torch.equal(with_tiles, without), rows
+    finally:
+        kernels.q4q8_use_amx(True)

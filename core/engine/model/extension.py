@@ -23,10 +23,11 @@ __all__ = ["SOURCES", "compile_kernels", "has_q4q8", "load_extension", "q4q8_mat
 
 log = logging.getLogger("loopstack.engine")
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "attend_rows.cpp",
+SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "q4q8_amx.cpp",
+                                              "attend_rows.cpp",
                                               "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v28"
+_NAME = "loopstack_kernels_v34"
 
 
 def compile_kernels(csrc: Path = _CSRC, name: str = _NAME) -> Any:

@@ -5,7 +5,7 @@ costs ~4-8 us of interpreter and binding overhead on top of its kernel, a third 
 step on 2 cores. The extension runs the layers from C++ instead (what CUDA graphs do for a
 GPU engine, without capturing anything). It covers what CPU decode runs: a float32 residual stream with weight-only int4
 projections (``quant.quantize_model(model, "int4")``), one new token per sequence, up to
-``DENSE_ABOVE_ROWS`` sequences, and speculative
+``Q4Q8_DENSE_ABOVE_ROWS`` sequences on the q4q8 kernel (``DENSE_ABOVE_ROWS`` on torch's), and speculative
 verifications (a few new tokens per sequence after its cached context, up to ``MAX_VERIFY_ROWS``
 rows). Anything else (prefill, other quantizations, sliding windows, a GPU, architectures other
 than ``NATIVE_ARCHITECTURES``: Qwen3's and Gemma 3's q/k norms) takes the Python layers.
@@ -60,7 +60,7 @@ class NativeDecoder:
     @classmethod
     def for_model(cls, model: Any) -> NativeDecoder | None:
         """A decoder for ``model``, or ``None`` where it does not apply or cannot be built."""
-        from loopstack.engine.model.quant import DENSE_ABOVE_ROWS, Int4Linear
+        from loopstack.engine.model.quant import DENSE_ABOVE_ROWS, Q4Q8_DENSE_ABOVE_ROWS, Int4Linear
 
         c = model.config
         if model.device.type != "cpu" or model.dtype != torch.float32 or c.sliding_window is not None:
@@ -100,7 +100,8 @@ class NativeDecoder:
                         attn.o_proj.packed, attn.o_proj.scales_and_zeros, *layer.post_attn_norm.scaled_weight(),
                         mlp.gate_up_proj.packed, mlp.gate_up_proj.scales_and_zeros,
                         mlp.down_proj.packed, mlp.down_proj.scales_and_zeros]
-        return cls(extension, model, weights, group_sizes.pop(), DENSE_ABOVE_ROWS, is_q4q8)
+        max_rows = Q4Q8_DENSE_ABOVE_ROWS if is_q4q8 else DENSE_ABOVE_ROWS
+        return cls(extension, model, weights, group_sizes.pop(), max_rows, is_q4q8)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # it holds the original model's weights: a copied model takes the Python layers

@@ -32,7 +32,7 @@ from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 
 __all__ = [
-    "DENSE_ABOVE_ROWS", "MAX_Q8_HEAD_ROWS", "MAX_RESCORED_ROWS", "DynamicInt8Linear", "HeadMode", "Int4Linear", "Int8Linear",
+    "DENSE_ABOVE_ROWS", "MAX_Q8_HEAD_ROWS", "Q4Q8_DENSE_ABOVE_ROWS", "MAX_RESCORED_ROWS", "DynamicInt8Linear", "HeadMode", "Int4Linear", "Int8Linear",
     "Int8RescoredHead", "QuantMode", "CALIBRATION_TEXT", "calibrate_head", "pack_q4", "pack_q8", "quantize_model",
 ]
 
@@ -42,6 +42,10 @@ HeadMode = Literal["int4", "int8", "int8_dynamic", "int8_rescored"]
 # Measure in the whole model: one matrix alone stays in L3 and flatters bf16 dense (at 8 rows
 # it looks 1.3x faster than int4; a batch-8 decode step is 1.15x slower with it)
 DENSE_ABOVE_ROWS = 8
+# the same for the q4q8 kernel (Int4Linear's on VNNI CPUs, and the C++ decode layers): it was 8
+# until the kernel had its AMX path; at batch 16 the C++ layers take 21.7 ms a step against 45.5 on
+# bf16 dense layers, 737 against 351 tok/s (scripts/profile_decode_step.py --batch 16, 2 Xeon cores)
+Q4Q8_DENSE_ABOVE_ROWS = 16
 # rows up to which a rescored head ranks with a cheap pass (all-position logits go exact)
 MAX_RESCORED_ROWS = 16
 # rows up to which the q8 head serves (its rows are independent of how many share the call, so a
@@ -51,13 +55,14 @@ MAX_Q8_HEAD_ROWS = 256
 
 
 class _WeightOnlyLinear(nn.Module, ABC):
-    """Shared forward: quantized kernel for up to ``DENSE_ABOVE_ROWS`` rows, else ``dense``."""
+    """Shared forward: quantized kernel for up to ``dense_above_rows`` rows, else ``dense``."""
 
     in_features: int
     out_features: int
     dense: torch.Tensor
     bias: torch.Tensor | None
     kernel_dtype: torch.dtype = torch.bfloat16  # what _quantized_mm takes and returns
+    dense_above_rows: int = DENSE_ABOVE_ROWS
 
     def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -73,7 +78,7 @@ class _WeightOnlyLinear(nn.Module, ABC):
         # a decode step calls this 4x per layer: no-op casts and views are skipped, not called
         is_2d = x.dim() == 2
         rows = x if is_2d else x.reshape(-1, self.in_features)  # [M, K]
-        if rows.shape[0] > DENSE_ABOVE_ROWS:
+        if rows.shape[0] > self.dense_above_rows:
             dense = self.dense
             out = F.linear(rows if rows.dtype == dense.dtype else rows.to(dense.dtype), dense)
         else:
@@ -119,6 +124,7 @@ class Int4Linear(_WeightOnlyLinear):
         self.kernel = kernel
         if kernel == "q4q8":
             self.kernel_dtype = torch.float32  # it quantizes its input itself
+            self.dense_above_rows = Q4Q8_DENSE_ABOVE_ROWS
             packed, scales_and_zeros = pack_q4(weight)  # scales_and_zeros: d and m of each group
         else:
             groups = weight.detach().float().reshape(out_features, in_features // group_size, group_size)

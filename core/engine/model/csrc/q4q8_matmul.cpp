@@ -23,6 +23,7 @@
 // 16t + j's code of input 32g + 4c + i.
 #include "q4q8_matmul.h"
 
+#include "q4q8_amx.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -37,10 +38,8 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kTile = 16;
+using q4q8::kGroup, q4q8::kLowBits, q4q8::kTile;
 constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // 256
-constexpr int kLowBits = 7;  // an input is two int8 digits, high * 2^7 + low
 
 #ifdef LOOPSTACK_Q4Q8_VNNI
 // The 16 outputs of row tile `w` for R consecutive input rows from r0: out[i * out_stride + j].
@@ -189,6 +188,12 @@ void q4q8_gemm(const QuantizedRows& q, const uint8_t* w, const at::Half* scales,
   TORCH_CHECK(n % kTile == 0 && k % kGroup == 0, "q4q8: N must be a multiple of 16 and K of 32");
   TORCH_CHECK(bits == 4 || bits == 8, "q4q8: 4- or 8-bit codes");
   const int64_t tile_bytes = groups * kTile * kGroup * bits / 8;
+  if (q.rows >= amx_min_rows(bits) && q4q8_amx_ready()) {  // the same bits from the matrix unit (q4q8_amx.cpp)
+    parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
+      q4q8_amx_tiles(q, w, scales, n, out, bits, begin, end);
+    });
+    return;
+  }
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = w + t * tile_bytes;

@@ -7,6 +7,12 @@
 #include <cstdint>
 #include <vector>
 
+namespace q4q8 {
+constexpr int64_t kGroup = 32;  // inputs a weight group (and an activation group) covers
+constexpr int64_t kTile = 16;   // weight rows laid side by side
+constexpr int kLowBits = 7;     // an input is two int8 digits, high * 2^7 + low
+}  // namespace q4q8
+
 // Input rows quantized per group of 32 to two int8 digits: codes [M, K / 32, 2, 32] (a group's
 // high digits, then its low ones) and, per group of each row, (s, sum(x)) with
 // x ~ (high * 128 + low) * s.
