@@ -43,8 +43,8 @@ HeadMode = Literal["int4", "int8", "int8_dynamic", "int8_rescored"]
 # it looks 1.3x faster than int4; a batch-8 decode step is 1.15x slower with it)
 DENSE_ABOVE_ROWS = 8
 # the same for the q4q8 kernel (Int4Linear's on VNNI CPUs, and the C++ decode layers): it was 8
-# until the kernel had its AMX path; at batch 16 the C++ layers take 21.7 ms a step against 45.5 on
-# bf16 dense layers, 737 against 351 tok/s (scripts/profile_decode_step.py --batch 16, 2 Xeon cores)
+# until the kernel had its AMX path; at batch 16 the C++ layers take 21.7-23.1 ms a step against 45.5 on
+# bf16 dense layers, 694-737 against 351 tok/s (scripts/profile_decode_step.py --batch 16, 2 Xeon cores)
 Q4Q8_DENSE_ABOVE_ROWS = 16
 # rows up to which a rescored head ranks with a cheap pass (all-position logits go exact)
 MAX_RESCORED_ROWS = 16

@@ -39,7 +39,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <new>
 #include <vector>
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -62,21 +61,6 @@ struct TileConfig {  // the 64-byte operand of ldtilecfg, palette 1
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-};
-
-// 64-byte aligned storage for the unpacked codes (the vector stores above are aligned)
-struct AlignedBytes {
-  using value_type = uint8_t;
-  AlignedBytes() = default;
-  template <class U>
-  AlignedBytes(const U&) {}
-  uint8_t* allocate(std::size_t n) { return static_cast<uint8_t*>(::operator new(n, std::align_val_t{64})); }
-  void deallocate(uint8_t* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
-  template <class U>
-  struct rebind {
-    using other = AlignedBytes;
-  };
-  bool operator==(const AlignedBytes&) const { return true; }
 };
 
 // Tiles: 0 and 5, B (32 inputs x 16 weight rows: 8 rows of 64 bytes), for even and odd groups;
@@ -157,11 +141,12 @@ template <int Bits, int R>
 void row_block(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
                int64_t r0, int64_t begin, int64_t end) {
   const int64_t groups = q.k / kGroup, tile_bytes = groups * kTile * kGroup * Bits / 8;
-  thread_local std::vector<uint8_t, AlignedBytes> unpacked;
-  if (Bits == 4 && static_cast<int64_t>(unpacked.size()) < groups * 512) unpacked.resize(groups * 512);
+  thread_local std::vector<uint8_t> buffer;  // the unpacked codes, 64-byte aligned inside it
+  if (Bits == 4 && static_cast<int64_t>(buffer.size()) < groups * 512 + 63) buffer.resize(groups * 512 + 63);
+  uint8_t* unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
   for (int64_t t = begin; t < end; ++t) {
-    if constexpr (Bits == 4) unpack_tile(packed + t * tile_bytes, groups, unpacked.data());
-    tile_rows<Bits, R>(packed + t * tile_bytes, unpacked.data(), dm + t * groups * 32, q, r0, groups,
+    if constexpr (Bits == 4) unpack_tile(packed + t * tile_bytes, groups, unpacked);
+    tile_rows<Bits, R>(packed + t * tile_bytes, unpacked, dm + t * groups * 32, q, r0, groups,
                        out + r0 * n + t * kTile, n);
   }
 }
@@ -192,18 +177,13 @@ bool q4q8_use_amx(bool enabled) {
 
 bool q4q8_amx_ready() {
 #ifdef LOOPSTACK_Q4Q8_AMX
-  if (!allowed.load()) return false;
-  // asked once per process (a forked replica asks again: the grant belongs to a process)
-  static std::atomic<pid_t> asked_in{0};
-  static std::atomic<bool> granted{false};
-  const pid_t pid = getpid();
-  if (asked_in.load() != pid) {
+  // asked once per process: the grant is inherited by a forked child and a spawned one asks anew
+  static const bool granted = [] {
     const char* setting = std::getenv("LOOPSTACK_AMX");
-    const bool wanted = !(setting && std::strcmp(setting, "0") == 0);
-    granted.store(wanted && syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0);
-    asked_in.store(pid);
-  }
-  return granted.load();
+    if (setting && std::strcmp(setting, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, kArchRequestPermission, kTileData) == 0;
+  }();
+  return granted && allowed.load(std::memory_order_relaxed);
 #else
   return false;
 #endif

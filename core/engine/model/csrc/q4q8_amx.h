@@ -6,7 +6,8 @@
 #include "q4q8_matmul.h"
 
 // Whether the AMX kernel is built in and this process may use the tiles (the kernel granted the
-// tile state; LOOPSTACK_AMX=0 turns it off). Asked once, then cached.
+// tile state; LOOPSTACK_AMX=0 turns it off) and q4q8_use_amx allows it. The kernel is asked
+// once per process.
 bool q4q8_amx_ready();
 
 // Allow the AMX kernel (the default where it is ready) or not (every input then takes the VNNI
@@ -16,8 +17,9 @@ bool q4q8_use_amx(bool enabled);
 
 // The fewest input rows the AMX kernel takes, by code width. Its sums come out of the tiles through
 // memory, two stores a group, which costs about what the VNNI kernel's products cost up to some 8
-// rows (scripts/bench_q4q8_matmul.py, both kernels side by side: 4-bit codes 0.96-1.0x at 8 rows,
-// 0.82-0.88x at 16; the head's 8-bit codes need no unpacking, 0.87x at 8, 0.69x at 16).
+// rows (scripts/bench_q4q8_matmul.py, both kernels side by side, AMX / VNNI time: 4-bit codes
+// 0.77-0.97x at 12 rows, 0.74-0.91x at 16; the head's 8-bit codes need no unpacking, 0.82-0.86x at
+// 8 rows, 0.69-0.74x at 16; docs/engine.md).
 constexpr int64_t amx_min_rows(int bits) { return bits == 8 ? 8 : 12; }
 
 // out[r * n + 16 t + j] for weight row tiles t in [begin, end): the same bits as the VNNI kernel's
