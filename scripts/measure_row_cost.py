@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 KS = (0, 1, 2, 3, 5, 7)
+MAX_K = 128  # longest draft timed
 
 
 class RejectedDraft:
@@ -37,18 +38,22 @@ class RejectedDraft:
 
 
 def step_ms(engine: Any, prompt: list[int], spec: Any, steps: int) -> float:
+    """Mean ms of ``steps`` steps of one request drafting ``spec``'s k (max_tokens far enough away
+    that no draft is cut by the room left: every step verifies exactly k + 1 rows)."""
     from loopstack.engine.sampling_params import SamplingParams
 
     engine.block_manager.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    seq = engine.add_request(f"row-{time.monotonic_ns()}", prompt, params, speculation=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4 + MAX_K + 2, ignore_eos=True)
+    request_id = f"row-{time.monotonic_ns()}"
+    seq = engine.add_request(request_id, prompt, params, speculation=spec)
     while len(seq.output_token_ids) < 4:
         engine.step()
-    started, count = time.perf_counter(), 0
-    while not seq.is_finished:
+    started = time.perf_counter()
+    for _ in range(steps):
         engine.step()
-        count += 1
-    return (time.perf_counter() - started) * 1e3 / count
+    elapsed = time.perf_counter() - started
+    engine.abort(request_id)
+    return elapsed * 1e3 / steps
 
 
 def main() -> None:
@@ -56,7 +61,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--context", type=int, default=400, help="prompt tokens before the decode")
+    parser.add_argument("--ks", default=",".join(map(str, KS)), help="draft lengths to time (0: plain decode)")
     args = parser.parse_args()
+    ks = tuple(int(k) for k in args.ks.split(","))
+    if not all(0 <= k <= MAX_K for k in ks):
+        parser.error(f"--ks: each draft length in 0..{MAX_K}")
 
     from loopstack.engine.factory import build_engine
     from loopstack.engine.seams.speculation import SpeculationSpec
@@ -65,18 +74,18 @@ def main() -> None:
     text = "The history of the printing press begins in the fifteenth century. " * 80
     prompt = engine.tokenizer.encode(text)[: args.context]
     specs = {k: SpeculationSpec(RejectedDraft, key="rejected-draft", num_speculative_tokens=k, adaptive=False)
-             if k else None for k in KS}
-    times: dict[int, list[float]] = {k: [] for k in KS}
+             if k else None for k in ks}
+    times: dict[int, list[float]] = {k: [] for k in ks}
     for _ in range(args.rounds):
-        for k in KS:
+        for k in ks:
             times[k].append(step_ms(engine, prompt, specs[k], args.steps))
     medians = {k: statistics.median(v) for k, v in times.items()}
-    rows = [k + 1 for k in KS]
+    rows = [k + 1 for k in ks]
     mean_rows, mean_ms = statistics.fmean(rows), statistics.fmean(medians.values())
-    per_row = (sum((r - mean_rows) * (medians[k] - mean_ms) for r, k in zip(rows, KS))
+    per_row = (sum((r - mean_rows) * (medians[k] - mean_ms) for r, k in zip(rows, ks))
                / sum((r - mean_rows) ** 2 for r in rows))
     fixed = mean_ms - per_row * mean_rows
-    for k in KS:
+    for k in ks:
         print(f"k={k} ({k + 1} rows): {medians[k]:.2f} ms a step (runs: {', '.join(f'{t:.2f}' for t in times[k])})")
     print(f"fit: {fixed:.2f} + {per_row:.2f} * rows ms; row_cost = {per_row / fixed:.3f}")
 

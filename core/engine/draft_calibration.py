@@ -10,8 +10,9 @@ away; the confidence keeps them apart.
 Proposers are not calibrated, so the engine learns what their confidences mean: per proposer, the
 observed acceptance of draft tokens in bins of stated confidence (decayed counts, a prior of a few
 observations at the stated value). :meth:`DraftCalibration.best_length` then cuts a draft where
-expected tokens per unit of cost peak: ``(1 + sum_i prod_{m<=i} p_m) / (1 + cost * j)`` over the
-first ``j`` tokens, ``p`` the calibrated acceptances; 0 (no draft) when no ``j`` beats a plain step.
+expected tokens per unit of cost peak: ``(1 + sum_i prod_{m<=i} p_m) / (1 + cost_j)`` over the
+first ``j`` tokens, ``p`` the calibrated acceptances and ``cost_j`` what verifying them costs
+(:mod:`loopstack.engine.step_cost`); 0 (no draft) when no ``j`` beats a plain step.
 """
 
 from __future__ import annotations
@@ -53,17 +54,18 @@ class DraftCalibration:
             b.reached = b.reached * DECAY + 1.0
             b.accepted = b.accepted * DECAY + (1.0 if i < num_accepted else 0.0)
 
-    def best_length(self, confidences: Sequence[float], cost_per_token: float) -> int:
+    def best_length(self, confidences: Sequence[float], costs: Sequence[float]) -> int:
         """How many leading draft tokens maximise expected tokens per unit of cost (0: none is worth it).
 
-        ``cost_per_token``: one more verified row's cost as a share of the sequence's plain step.
+        ``costs[j - 1]``: what verifying the first ``j`` tokens costs, as a share of the sequence's
+        plain step (at least as many as ``confidences``).
         """
         best, best_gain = 0, 1.0
         expected, survive = 1.0, 1.0  # the target's own token always comes
         for j, confidence in enumerate(confidences, 1):
             survive *= self.calibrated(confidence)
             expected += survive
-            gain = expected / (1.0 + cost_per_token * j)
+            gain = expected / (1.0 + costs[j - 1])
             if gain > best_gain:
                 best, best_gain = j, gain
         return best

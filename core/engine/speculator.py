@@ -11,9 +11,10 @@ the grammar rolled back: it advances only on accepted tokens). The forward compu
 positions of each draft next to everyone else's tokens; :mod:`loopstack.engine.acceptance` picks
 the tokens to keep; the rejected tokens' KV slots are truncated away. The cap k adapts per sequence:
 from its recent per-token acceptance rate, the k that maximises expected tokens per unit of cost,
-where a draft token's cost is its share of the step: a step of ``n`` tokens costs about
-``1 + row_cost * n`` (``row_cost`` measured), so at batch ``B`` one more row costs the sequence
-``row_cost * B / (1 + row_cost * B)`` of its plain step. A sequence whose best k is not worth it
+where a draft's cost is its share of the step: :mod:`loopstack.engine.step_cost` holds a step's
+measured time by its rows, so ``j`` more rows in a step of ``B`` rows cost the sequence
+``B * (T(B + j) - T(B)) / T(B)`` of its plain step (rows get cheaper the more a step has, until
+attention, which each row pays over its own context, dominates). A sequence whose best k is not worth it
 (fewer expected tokens than the cost) drafts nothing that step: speculation fades out as the
 batch grows, before ``max_batch_size`` cuts it off. A proposer that states its confidence per
 draft token (SuffixDecoding: the length of the match) is asked for up to k tokens instead, and
@@ -23,6 +24,7 @@ long where it continues a long match, short or nothing where the match is short.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as PySequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,35 +42,29 @@ from loopstack.engine.seams.speculation import (
     proposer_cost,
     states_confidence,
 )
+from loopstack.engine.step_cost import DEFAULT_STEP_COST, StepCost
 from loopstack.engine.text.grammar import apply_bitmask
 
 if TYPE_CHECKING:
     from loopstack.engine.sequence import Sequence
 
-__all__ = ["SequenceSpeculation", "SpeculationStatistics", "Speculator", "best_k", "draft_token_cost", "gain"]
+__all__ = ["SequenceSpeculation", "SpeculationStatistics", "Speculator", "best_k", "gain"]
 
-# measured on 2 Xeon cores, SmolLM2-135M int4 (the native decode path, a 400-token context), by
-# scripts/measure_row_cost.py: a step of n rows takes about 4.9 + 2.4 n ms (1 row 7.0, 2: 9.7,
-# 4: 15.1, 8: 23.3), i.e. 1 + 0.48 n in units of its fixed part (0.42 before the q4q8 kernels)
-DEFAULT_ROW_COST = 0.48
 DECAY = 0.7  # weight of history in the per-sequence acceptance estimate
 
 
-def gain(alpha: float, k: int, cost_per_token: float) -> float:
-    """Expected tokens per unit of cost of a k-token draft at per-token acceptance ``alpha``:
-    ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens for ``1 + cost_per_token * k`` (plain decoding: 1)."""
+def gain(alpha: float, k: int, cost: float) -> float:
+    """Expected tokens per unit of cost of a k-token draft at per-token acceptance ``alpha`` that
+    costs ``cost`` (a share of the plain step): ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens for
+    ``1 + cost`` (plain decoding: 1)."""
     expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected / (1 + cost_per_token * k)
+    return expected / (1 + cost)
 
 
-def best_k(alpha: float, max_k: int, cost_per_token: float) -> int:
-    """The draft length (1..max_k) with the most expected tokens per unit of cost."""
-    return max(range(1, max_k + 1), key=lambda k: gain(alpha, k, cost_per_token))
-
-
-def draft_token_cost(num_rows: int, row_cost: float = DEFAULT_ROW_COST) -> float:
-    """What one more row costs a sequence in a step of ``num_rows`` rows, as a share of its plain step."""
-    return row_cost * num_rows / (1 + row_cost * num_rows)
+def best_k(alpha: float, costs: PySequence[float]) -> int:
+    """The draft length (1..len(costs)) with the most expected tokens per unit of cost;
+    ``costs[j - 1]``: what a ``j``-token draft costs."""
+    return max(range(1, len(costs) + 1), key=lambda k: gain(alpha, k, costs[k - 1]))
 
 
 @dataclass
@@ -138,11 +134,11 @@ class Speculator:
     """The engine's speculative decoding: proposers by key, drafting, verification. Engine thread only."""
 
     def __init__(self, context: ProposerContext, block_manager: BlockManager, max_model_len: int,
-                 *, row_cost: float = DEFAULT_ROW_COST) -> None:
+                 *, step_cost: StepCost = DEFAULT_STEP_COST) -> None:
         self.context = context
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.row_cost = row_cost
+        self.step_cost = step_cost
         self.proposers: dict[str, Proposer] = {}
         self.calibrations: dict[str, DraftCalibration] = {}  # per spec key, for proposers stating confidence
         self.statistics = SpeculationStatistics()
@@ -193,7 +189,7 @@ class Speculator:
             return chunks
         num_rows = sum(c.end - c.start for c in chunks)
         budget = token_budget - num_rows
-        cost = draft_token_cost(num_rows, self.row_cost)
+        longest = max(chunks[i].seq.speculation.spec.num_speculative_tokens for i in on)  # type: ignore[union-attr]
         by_proposer: dict[int, list[int]] = {}
         for i in on:
             by_proposer.setdefault(id(chunks[i].seq.speculation.proposer), []).append(i)  # type: ignore[union-attr]
@@ -201,11 +197,11 @@ class Speculator:
         for indices in by_proposer.values():
             seqs = [chunks[i].seq for i in indices]
             proposer = seqs[0].speculation.proposer  # type: ignore[union-attr]
-            token_cost = cost + proposer_cost(proposer)
-            limits = [self.draft_limit(seq, token_cost) for seq in seqs]
+            costs = self.step_cost.draft_costs(num_rows, longest, proposer_cost(proposer))
+            limits = [self.draft_limit(seq, costs) for seq in seqs]
             proposals = proposer.propose(seqs, limits)
             for i, seq, limit, proposal in zip(indices, seqs, limits, proposals, strict=True):
-                limit = self._confident_length(seq, proposal, limit, token_cost)
+                limit = self._confident_length(seq, proposal, limit, costs)
                 draft = self._fit(seq, proposal, min(limit, max(budget, 0)))
                 if draft:
                     budget -= len(draft)
@@ -242,17 +238,18 @@ class Speculator:
         seq = chunk.seq
         return seq.speculation is not None and chunk.samples and chunk.end - chunk.start == 1
 
-    def draft_limit(self, seq: Sequence, cost: float) -> int:
-        """The most draft tokens worth verifying for ``seq`` now (``cost``: of one draft token, as a
-        share of its plain step). A sequence that has not verified yet drafts anyway, to learn."""
+    def draft_limit(self, seq: Sequence, costs: PySequence[float]) -> int:
+        """The most draft tokens worth verifying for ``seq`` now (``costs[j - 1]``: of a ``j``-token
+        draft, as a share of its plain step; at least the spec's k of them). A sequence that has not
+        verified yet drafts anyway, to learn."""
         state = seq.speculation
         assert state is not None
         spec = state.spec
         k = spec.num_speculative_tokens
         if spec.adaptive and not states_confidence(state.proposer):  # else each draft is cut by its confidence
             alpha = state.acceptance_rate
-            k = best_k(alpha, k, cost)
-            if state.accepted + state.rejected > 0 and gain(alpha, k, cost) <= 1.0:
+            k = best_k(alpha, costs[:k])
+            if state.accepted + state.rejected > 0 and gain(alpha, k, costs[k - 1]) <= 1.0:
                 state.fade()  # not worth it now; the evidence fades, so it is tried again later
                 return 0
         room = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
@@ -264,13 +261,13 @@ class Speculator:
             calibration = self.calibrations[spec.key] = DraftCalibration()
         return calibration
 
-    def _confident_length(self, seq: Sequence, proposal: Proposal, limit: int, cost: float) -> int:
+    def _confident_length(self, seq: Sequence, proposal: Proposal, limit: int, costs: PySequence[float]) -> int:
         """``limit``, cut where the proposal's calibrated confidence stops paying (adaptive specs)."""
         state = seq.speculation
         assert state is not None
         if not state.spec.adaptive or proposal.confidence is None:
             return limit
-        return min(limit, self._calibration(state.spec).best_length(proposal.confidence[:limit], cost))
+        return min(limit, self._calibration(state.spec).best_length(proposal.confidence[:limit], costs))
 
     def _fit(self, seq: Sequence, proposal: Proposal, limit: int) -> list[int]:
         """The part of ``proposal`` this step verifies; reserves its KV slots and records it on ``seq``."""

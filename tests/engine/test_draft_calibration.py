@@ -7,7 +7,7 @@ import random
 from loopstack.engine.draft_calibration import DraftCalibration
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.speculation import Proposal, ProposerContext, SpeculationSpec
-from loopstack.engine.speculator import draft_token_cost
+from loopstack.engine.step_cost import DEFAULT_STEP_COST
 from loopstack.plugins.spec_decode.config import SpecDecodeConfig
 from loopstack.plugins.spec_decode.plugin import build_spec
 from loopstack.plugins.spec_decode.suffix import SuffixProposer, draft_confidence
@@ -15,6 +15,7 @@ from loopstack.plugins.spec_decode.token_index import TokenIndex
 from tests.engine.support import PROMPTS, make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+ALONE = DEFAULT_STEP_COST.draft_costs(1, 24)  # a batch-1 step
 
 
 def test_it_learns_what_a_stated_confidence_is_worth():
@@ -35,10 +36,13 @@ def test_tokens_past_a_rejection_are_not_counted_as_rejected():
 
 def test_a_confident_draft_is_kept_long_and_an_unsure_one_cut_or_dropped():
     calibration = DraftCalibration()
-    assert calibration.best_length([0.99] * 24, 0.05) == 24
-    assert calibration.best_length([0.99] * 4 + [0.3] * 20, 0.1) == 4
-    assert calibration.best_length([0.3] * 8, 0.5) == 0  # fewer expected tokens than the rows cost
-    assert calibration.best_length([], 0.05) == 0
+    def linear(per_token: float) -> list[float]:
+        return [per_token * j for j in range(1, 25)]
+
+    assert calibration.best_length([0.99] * 24, linear(0.05)) == 24
+    assert calibration.best_length([0.99] * 4 + [0.3] * 20, linear(0.1)) == 4
+    assert calibration.best_length([0.3] * 8, linear(0.5)) == 0  # fewer expected tokens than the rows cost
+    assert calibration.best_length([], linear(0.05)) == 0
 
 
 def test_suffix_confidence_grows_with_the_match_it_continues():
@@ -109,6 +113,6 @@ def test_suffix_drafts_past_seven_tokens_by_default_where_its_match_is_long():
     proposer, calibration = SuffixProposer(ProposerContext(256, (0,), None, None)), DraftCalibration()
     [proposal] = proposer.propose([Seq("long", list(range(40, 60)))], [24])
     assert proposal.token_ids == list(range(60, 84)) and proposal.confidence is not None
-    assert calibration.best_length(proposal.confidence, draft_token_cost(1)) > 7  # the old default cap
+    assert calibration.best_length(proposal.confidence, ALONE) > 7  # the old default cap
     [short] = proposer.propose([Seq("short", [7, 40, 41])], [24])  # a 2-token match: a short draft, or none
-    assert short.confidence is not None and calibration.best_length(short.confidence, draft_token_cost(1)) <= 4
+    assert short.confidence is not None and calibration.best_length(short.confidence, ALONE) <= 4

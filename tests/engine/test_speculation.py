@@ -12,7 +12,8 @@ import torch
 from loopstack.engine.acceptance import verify
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.engine.seams.speculation import Proposal, SpeculationSpec
-from loopstack.engine.speculator import best_k, draft_token_cost, gain
+from loopstack.engine.speculator import best_k, gain
+from loopstack.engine.step_cost import DEFAULT_STEP_COST
 from loopstack.plugins.spec_decode.config import SpecDecodeConfig
 from loopstack.plugins.spec_decode.plugin import build_spec
 from tests.engine.support import PROMPTS, make_engine
@@ -172,14 +173,19 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_target_token()
 
 
 def test_adaptive_k_drafts_longer_when_drafts_are_accepted():
-    assert best_k(0.95, 8, 0.3) > best_k(0.6, 8, 0.3) >= best_k(0.2, 8, 0.3) == 1
+    costs = [0.3 * j for j in range(1, 9)]
+    assert best_k(0.95, costs) > best_k(0.6, costs) >= best_k(0.2, costs) == 1
 
 
 def test_drafting_fades_out_as_the_batch_grows():
-    assert draft_token_cost(1) < draft_token_cost(4) < draft_token_cost(64) < 1
+    def one_token(rows: int) -> float:
+        return DEFAULT_STEP_COST.draft_costs(rows, 1)[0]
+
+    assert one_token(1) < one_token(4) < one_token(16)
     alpha = 0.6
-    alone, crowded = draft_token_cost(1), draft_token_cost(16)
-    assert gain(alpha, best_k(alpha, 7, alone), alone) > 1 > gain(alpha, best_k(alpha, 7, crowded), crowded)
+    alone, crowded = DEFAULT_STEP_COST.draft_costs(1, 7), DEFAULT_STEP_COST.draft_costs(16, 7)
+    k_alone, k_crowded = best_k(alpha, alone), best_k(alpha, crowded)
+    assert gain(alpha, k_alone, alone[k_alone - 1]) > 1 > gain(alpha, k_crowded, crowded[k_crowded - 1])
 
 
 def test_a_sequence_whose_drafts_fail_stops_drafting_in_a_big_step_and_tries_again_later():
@@ -200,7 +206,8 @@ def test_a_sequence_whose_drafts_fail_stops_drafting_in_a_big_step_and_tries_aga
         engine.step()
     state = seq.speculation
     assert state.acceptance_rate < 0.5  # below the prior: it has seen its drafts fail
-    assert engine.speculator.draft_limit(seq, draft_token_cost(8)) == 0  # not worth it in a step of 8 rows
+    crowded, alone = DEFAULT_STEP_COST.draft_costs(8, 8), DEFAULT_STEP_COST.draft_costs(1, 8)
+    assert engine.speculator.draft_limit(seq, crowded) == 0  # not worth it in a step of 8 rows
     for _ in range(10):
-        engine.speculator.draft_limit(seq, draft_token_cost(8))
-    assert engine.speculator.draft_limit(seq, draft_token_cost(1)) > 0  # the evidence faded: tried again
+        engine.speculator.draft_limit(seq, crowded)
+    assert engine.speculator.draft_limit(seq, alone) > 0  # the evidence faded: tried again

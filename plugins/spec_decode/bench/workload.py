@@ -15,7 +15,8 @@ share of a column's decode steps in which some request verified a draft (at batc
 of a batch, once at most ``max_batch_size`` requests are left, may draft).
 
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
-``k`` (num_speculative_tokens; unset: each proposer's default, 24 for suffix and 7 for ngram), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
+``columns`` (a comma list of ``off,ngram,suffix,draft_model``; all), ``groups`` (a comma list
+of ``agent_b1,chat_b1,agent_b8,chat_b8``; all), ``k`` (num_speculative_tokens; unset: each proposer's default, 24 for suffix and 7 for ngram), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
 (8; 0 for the whole draft model), ``draft_k`` (3), ``draft_adaptive`` (0; 1: adaptive k on for the
 draft, as a stack's default has it), ``model`` (the target: a built-in name, a .gguf
 file or a Hugging Face directory; the default model), ``draft_model`` (the draft, likewise; the
@@ -36,6 +37,19 @@ from loopstack.plugins.spec_decode.bench.prompts import SpecPrompt, agent_prompt
 __all__ = ["SpecWorkload"]
 
 COLUMNS = ("off", "ngram", "suffix", "draft_model")
+GROUPS = ("agent_b1", "chat_b1", "agent_b8", "chat_b8")
+
+
+def _pick(extra: dict[str, Any], option: str, allowed: tuple[str, ...]) -> list[str]:
+    """The comma-separated subset of ``allowed`` that option ``option`` names (all when unset)."""
+    if option not in extra:
+        return list(allowed)
+    named = [name.strip() for name in str(extra[option]).split(",") if name.strip()]
+    unknown = [name for name in named if name not in allowed]
+    if unknown or not named:
+        raise BenchOptionError(f"spec option {option}: {', '.join(unknown) or 'nothing named'}; "
+                               f"allowed: {', '.join(allowed)}")
+    return named
 
 
 @dataclass
@@ -90,6 +104,11 @@ class SpecWorkload(Workload):
             settings["draft_model"] = str(extra.get("draft_model", settings["model"]))
         except ValueError as exc:
             raise BenchOptionError(f"spec options: {exc}") from None
+        chosen = _pick(extra, "columns", COLUMNS)
+        if "off" not in chosen:
+            raise BenchOptionError("spec option columns: every proposer is measured against 'off'; include it")
+        columns[:] = [c for c in columns if c in chosen]
+        groups = _pick(extra, "groups", GROUPS)
         self._settings = settings
         trajectories = options.data_dir / "trajectories"
         if not trajectories.is_dir():
@@ -104,7 +123,8 @@ class SpecWorkload(Workload):
 
         agent = encode(agent_prompts(options.data_dir, per_kind=settings["per_kind"]))
         chat = encode(chat_prompts(settings["chat"]))
-        self._groups = {"agent_b1": agent, "chat_b1": chat, "agent_b8": agent[:8], "chat_b8": chat[:8]}
+        every = {"agent_b1": agent, "chat_b1": chat, "agent_b8": agent[:8], "chat_b8": chat[:8]}
+        self._groups = {name: every[name] for name in GROUPS if name in groups}
         common = {"num_speculative_tokens": settings["k"], "max_batch_size": settings["max_batch_size"]}
         self._specs = {"off": None,
                        "ngram": build_spec(SpecDecodeConfig(proposer="ngram", **common)),

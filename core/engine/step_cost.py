@@ -1,0 +1,65 @@
+"""What a step costs by the number of rows it computes: the curve speculation prices drafts with.
+
+A verification of ``k`` draft tokens adds ``k`` rows to a step. What they cost is not linear in
+``k`` on the q4q8 kernels: the weights are read once a step however many rows share them, and
+from 12 rows the matmuls run on AMX tiles of 16 rows, so a row costs less the more there are, up
+to the attention each row pays over its own context. The curve is measured
+(``scripts/measure_row_cost.py``: one request drafting exactly ``k`` rejected tokens a step, so
+every step computes ``k + 1`` rows) and stored as points relative to a one-row step; between
+points it is linear, past the last it goes on with the last segment's slope.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_STEP_COST", "StepCost"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's time by its rows, relative to a one-row step: ``points`` are ``(rows, time)``
+    pairs, rows increasing from 1, time not decreasing."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        rows = [r for r, _ in self.points]
+        times = [t for _, t in self.points]
+        if len(self.points) < 2 or rows[0] != 1 or times[0] <= 0:
+            raise ValueError(f"StepCost: at least two points, the first at 1 row with a positive time: {self.points}")
+        if any(b <= a for a, b in zip(rows, rows[1:])) or any(b < a for a, b in zip(times, times[1:])):
+            raise ValueError(f"StepCost: rows must increase and times must not decrease: {self.points}")
+
+    @classmethod
+    def linear(cls, row_cost: float) -> StepCost:
+        """A step of ``n`` rows costing ``1 + row_cost * n`` fixed parts (the model before the curve)."""
+        base = 1.0 + row_cost
+        return cls(((1, 1.0), (2, (1.0 + 2 * row_cost) / base)))
+
+    def time(self, rows: float) -> float:
+        """The time of a step of ``rows`` rows, relative to a one-row step."""
+        rows = max(1.0, rows)
+        xs = [r for r, _ in self.points]
+        i = min(max(bisect.bisect_right(xs, rows), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def draft_costs(self, num_rows: int, max_draft: int, per_token: float = 0.0) -> list[float]:
+        """``costs[j - 1]``: what ``j`` draft rows cost a sequence in a step of ``num_rows`` rows, as
+        a share of its plain step (the step's time over its rows), plus ``per_token`` for each
+        (a draft model's own forward)."""
+        n = max(1, num_rows)
+        base = self.time(n)
+        share = base / n
+        return [(self.time(n + j) - base) / share + per_token * j for j in range(1, max_draft + 1)]
+
+
+# measured on 2 Xeon cores (AVX-512 VNNI + AMX), SmolLM2-135M on the q4q8 kernels, a 400-token
+# context: `scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,47,63,99`
+# (a one-row step 6.75 ms; 17-32 rows take two AMX tiles of 16 where up to 16 take one)
+DEFAULT_STEP_COST = StepCost((
+    (1, 1.0), (2, 1.30), (4, 1.72), (6, 2.29), (8, 2.66), (12, 3.39), (16, 4.26), (20, 5.69), (24, 6.13),
+    (32, 7.78), (48, 10.0), (64, 11.05), (100, 14.87),
+))
