@@ -58,8 +58,10 @@ class StepCost:
 
 # measured on 2 Xeon cores (AVX-512 VNNI + AMX), SmolLM2-135M on the q4q8 kernels, a 400-token
 # context: `scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,47,63,99`
-# (a one-row step 6.75 ms; 17-32 rows take two AMX tiles of 16 where up to 16 take one)
+# (a one-row step 6.7 ms; 17-32 rows take two AMX tiles of 16 where up to 16 take one; 40-64 rows
+# from a second run, --ks 0,31,39,47,63, relative to its own one-row step; past 64 rows a step
+# leaves the C++ decode layers)
 DEFAULT_STEP_COST = StepCost((
-    (1, 1.0), (2, 1.30), (4, 1.72), (6, 2.29), (8, 2.66), (12, 3.39), (16, 4.26), (20, 5.69), (24, 6.13),
-    (32, 7.78), (48, 10.0), (64, 11.05), (100, 14.87),
+    (1, 1.0), (2, 1.26), (4, 1.58), (6, 2.0), (8, 2.22), (12, 2.69), (16, 3.27), (20, 4.34), (24, 4.76),
+    (32, 5.86), (40, 6.97), (48, 7.52), (64, 10.08), (100, 14.76),
 ))

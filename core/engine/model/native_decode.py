@@ -38,8 +38,8 @@ __all__ = ["NATIVE_ARCHITECTURES", "NativeDecoder", "load_extension"]
 TENSORS_PER_LAYER = 13
 # a verification runs here (int4 for every row, as the decode steps it stands for) up to this many
 # rows, and drafts of up to MAX_VERIFY_QUERY - 1 tokens
-MAX_VERIFY_ROWS = 32
-MAX_VERIFY_QUERY = 33
+MAX_VERIFY_ROWS = 64
+MAX_VERIFY_QUERY = 65
 NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 

@@ -38,6 +38,28 @@ void axpy(float w, const float* x, float* y, int64_t n) {
 
 namespace {
 
+// The group kernels' small loops (over heads and 16-float chunks, bounds known at compile time)
+// must unroll and their lambdas inline, or GCC at -O2 keeps the accumulators on the stack: a
+// load, FMA and store per chunk and key through memory (the value loop ran 4x slower so)
+#define LS_UNROLL _Pragma("GCC unroll 16")
+#define LS_INLINE __attribute__((always_inline))
+
+// The largest of n > 0 scores, sixteen lanes at a time (std::max_element is a scalar chain of
+// dependent maxss, a tenth of a verification's attention time)
+float max_of(const float* x, int64_t n) {
+  int64_t p = 0;
+  float top = -INFINITY;
+#ifdef __AVX512F__
+  if (n >= 16) {
+    __m512 tops = _mm512_loadu_ps(x);
+    for (p = 16; p + 16 <= n; p += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(x + p));
+    top = _mm512_reduce_max_ps(tops);
+  }
+#endif
+  for (; p < n; ++p) top = std::max(top, x[p]);
+  return top;
+}
+
 // Softmax weights e^(x - top) of n scores in place; returns their sum.
 float exp_in_place(float* x, int64_t n, float top) {
   float total = 0;
@@ -70,16 +92,16 @@ void value_run_any(const float* weights, const float* value, int64_t stride, int
 // in four levels (pairs within 128-bit lanes, then quads, then across lanes), about three
 // instructions a key instead of a horizontal reduction's eight.
 template <class Vector>
-inline __m512 sum_lanes16(Vector&& vector) {
-  auto pair = [&](int j) {  // per 128-bit lane: (j, j+1, j, j+1) partial sums
+LS_INLINE inline __m512 sum_lanes16(Vector&& vector) {
+  auto pair = [&](int j) LS_INLINE {  // per 128-bit lane: (j, j+1, j, j+1) partial sums
     const __m512 a = vector(j), b = vector(j + 1);
     return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   };
-  auto quad = [&](int j) {  // per 128-bit lane: keys j..j+3, each summed over that lane
+  auto quad = [&](int j) LS_INLINE {  // per 128-bit lane: keys j..j+3, each summed over that lane
     const __m512d a = _mm512_castps_pd(pair(j)), b = _mm512_castps_pd(pair(j + 2));
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   };
-  auto across = [](__m512 a, __m512 b) {  // (a0 + a1, a2 + a3, b0 + b1, b2 + b3) by 128-bit lane
+  auto across = [](__m512 a, __m512 b) LS_INLINE {  // (a0 + a1, a2 + a3, b0 + b1, b2 + b3) by 128-bit lane
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
   };
   return across(across(quad(0), quad(4)), across(quad(8), quad(12)));
@@ -91,12 +113,12 @@ template <int C, int G>
 void score_group(const float* queries, const float* key, int64_t stride, int64_t count, float scale, float* out,
                  int64_t ld) {
   __m512 q[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(queries + g * 16 * C + 16 * c);
-  auto partial = [&](const float* k_row, int g) {  // the 16 lanes whose sum is q_g . k
+  LS_UNROLL for (int g = 0; g < G; ++g)
+    LS_UNROLL for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(queries + g * 16 * C + 16 * c);
+  auto partial = [&](const float* k_row, int g) LS_INLINE {  // the 16 lanes whose sum is q_g . k
     __m512 a = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(k_row));
     __m512 b = C > 1 ? _mm512_mul_ps(q[g][1], _mm512_loadu_ps(k_row + 16)) : _mm512_setzero_ps();
-    for (int c = 2; c < C; c += 2) {
+    LS_UNROLL for (int c = 2; c < C; c += 2) {
       a = _mm512_fmadd_ps(q[g][c], _mm512_loadu_ps(k_row + 16 * c), a);
       if (c + 1 < C) b = _mm512_fmadd_ps(q[g][c + 1], _mm512_loadu_ps(k_row + 16 * (c + 1)), b);
     }
@@ -109,9 +131,9 @@ void score_group(const float* queries, const float* key, int64_t stride, int64_t
   for (int64_t i = 0; i < count; i += 16, key += 16 * stride) {
     const int64_t n = std::min<int64_t>(16, count - i);
     const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-    for (int g = 0; g < G; ++g) {
-      const __m512 sums = n == 16 ? sum_lanes16([&](int j) { return partial(key + j * stride, g); })
-                                  : sum_lanes16([&](int j) { return j < n ? partial(key + j * stride, g) : _mm512_setzero_ps(); });
+    LS_UNROLL for (int g = 0; g < G; ++g) {
+      const __m512 sums = n == 16 ? sum_lanes16([&](int j) LS_INLINE { return partial(key + j * stride, g); })
+                                  : sum_lanes16([&](int j) LS_INLINE { return j < n ? partial(key + j * stride, g) : _mm512_setzero_ps(); });
       _mm512_mask_storeu_ps(out + g * ld + i, keep, _mm512_mul_ps(sums, scales));
     }
   }
@@ -120,18 +142,18 @@ void score_group(const float* queries, const float* key, int64_t stride, int64_t
 template <int C, int G>
 void value_group(const float* weights, int64_t ld, const float* value, int64_t stride, int64_t count, float* acc) {
   __m512 a[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + 16 * c);
+  LS_UNROLL for (int g = 0; g < G; ++g)
+    LS_UNROLL for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + 16 * c);
   for (int64_t i = 0; i < count; ++i, value += stride) {
     __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
-    for (int g = 0; g < G; ++g) {
+    LS_UNROLL for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    LS_UNROLL for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(weights[g * ld + i]);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+      LS_UNROLL for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + 16 * c, a[g][c]);
+  LS_UNROLL for (int g = 0; g < G; ++g)
+    LS_UNROLL for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + 16 * c, a[g][c]);
 }
 #endif
 
@@ -248,7 +270,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
         });
         for (int64_t g = g0; g < g0 + runs.heads; ++g) {
           float* row_scores = scores.data() + g * length;
-          top[g] = *std::max_element(row_scores, row_scores + length);
+          top[g] = max_of(row_scores, length);
           sum[g] = exp_in_place(row_scores, length, top[g]);
         }
         for_each_run([&](int64_t p, int64_t slot, int64_t count) {
