@@ -24,10 +24,11 @@
 //     which kernel served it.
 //
 // Two stores of sums a group cost about what the VNNI kernel's products cost up to some 8 rows;
-// past that the tiles win (q4q8_amx.h's amx_min_rows). A one-digit-sum layout would halve that
-// traffic (x = (high * 16 + low) * s, the weights' codes times 16 beside them, one multiply and one
-// store a group: about 1.7x the VNNI kernel at 8 rows in a standalone microbenchmark), at a KL of
-// 3e-5 to the float model instead of 4e-7 (scripts/activation_precision.py's method); not built.
+// past that the tiles win (q4q8_amx.h's amx_min_rows). A one-sum layout (x = (high * 16 + low) * s,
+// the codes times 16 unpacked beside the codes, one multiply and one store a group) was built and
+// measured (docs/engine.md): writing twice the unpacked bytes ate what the saved store gave back,
+// 0.88x the VNNI kernel at 8 rows on gate/up and 1.19x on down, for a KL of 3e-5 instead of 4e-7;
+// not kept.
 #include "q4q8_amx.h"
 
 #include <sys/syscall.h>
