@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loopstack.engine.sampler import sampling_probs
+from loopstack.engine.sampler import greedy_tokens, sampling_probs
 from loopstack.engine.sampling_params import SamplingParams
 
 __all__ = ["Verdict", "verify"]
@@ -50,7 +50,7 @@ def verify(
     if logits.shape[0] != len(draft) + 1:
         raise ValueError(f"need {len(draft) + 1} rows of logits for {len(draft)} draft tokens, got {logits.shape[0]}")
     if params.is_greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy_tokens(logits)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == target[accepted]:
             accepted += 1
