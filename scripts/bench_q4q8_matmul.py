@@ -10,6 +10,7 @@ compute (``vpdpbusd`` a second is printed). The AMX kernel gives the same bits; 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -29,6 +30,10 @@ def timed(extension_module: object, x: torch.Tensor, packed: torch.Tensor, dm: t
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,12,16", help="input row counts to time, comma-separated")
+    args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     kernels = extension.load_extension()
     if kernels is None or not extension.has_q4q8():
@@ -39,7 +44,7 @@ def main() -> None:
     for bits, n, k in ((4, 3072, 576), (4, 576, 1536), (4, 960, 576), (8, 49152, 576)):
         packed, dm = quant.pack_q4(torch.randn(n, k)) if bits == 4 else quant.pack_q8(torch.randn(n, k))
         calls = 20 if n > 10_000 else 200
-        for m in (1, 2, 4, 8, 12, 16):
+        for m in row_counts:
             x = torch.randn(m, k)
             seconds: dict[bool, list[float]] = {False: [], True: []}
             for index in range(5 if has_amx else 1):

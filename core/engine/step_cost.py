@@ -57,11 +57,11 @@ class StepCost:
 
 
 # measured on 2 Xeon cores (AVX-512 VNNI + AMX), SmolLM2-135M on the q4q8 kernels, a 400-token
-# context: `scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,47,63,99`
-# (a one-row step 6.7 ms; 17-32 rows take two AMX tiles of 16 where up to 16 take one; 40-64 rows
-# from a second run, --ks 0,31,39,47,63, relative to its own one-row step; past 64 rows a step
-# leaves the C++ decode layers)
+# context: `scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,39,47,63`,
+# two runs averaged (20-32 rows from the second, after the AMX kernel split 17-32 rows into two even
+# blocks); a one-row step 6.5-6.7 ms; 100 rows from `--ks 0,99` (past 64 rows a step leaves the C++
+# decode layers)
 DEFAULT_STEP_COST = StepCost((
-    (1, 1.0), (2, 1.26), (4, 1.58), (6, 2.0), (8, 2.22), (12, 2.69), (16, 3.27), (20, 4.34), (24, 4.76),
-    (32, 5.86), (40, 6.97), (48, 7.52), (64, 10.08), (100, 14.76),
+    (1, 1.0), (2, 1.26), (4, 1.59), (6, 2.03), (8, 2.22), (12, 2.73), (16, 3.38), (20, 4.18), (24, 4.72),
+    (32, 5.81), (40, 7.27), (48, 7.93), (64, 10.8), (100, 14.76),
 ))

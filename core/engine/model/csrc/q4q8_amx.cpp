@@ -138,33 +138,43 @@ void unpack_tile(const uint8_t* w, int64_t groups, uint8_t* into) {
   }
 }
 
-template <int Bits, int R>
-void row_block(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
-               int64_t r0, int64_t begin, int64_t end) {
-  const int64_t groups = q.k / kGroup, tile_bytes = groups * kTile * kGroup * Bits / 8;
-  thread_local std::vector<uint8_t> buffer;  // the unpacked codes, 64-byte aligned inside it
-  if (Bits == 4 && static_cast<int64_t>(buffer.size()) < groups * 512 + 63) buffer.resize(groups * 512 + 63);
-  uint8_t* unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-  for (int64_t t = begin; t < end; ++t) {
-    if constexpr (Bits == 4) unpack_tile(packed + t * tile_bytes, groups, unpacked);
-    tile_rows<Bits, R>(packed + t * tile_bytes, unpacked, dm + t * groups * 32, q, r0, groups,
-                       out + r0 * n + t * kTile, n);
-  }
-}
-
+// One block of `rows` input rows (tiles configured for it) through weight row tile `w`.
 template <int Bits>
-void rows_of(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out, int64_t r0,
-             int rows, int64_t begin, int64_t end) {
-  configure(rows);
+void block_rows(int rows, const uint8_t* w, const uint8_t* unpacked, const at::Half* dm, const QuantizedRows& q,
+                int64_t r0, int64_t groups, float* out, int64_t out_stride) {
   switch (rows) {
 #define LOOPSTACK_AMX_ROWS(R) \
-  case R: row_block<Bits, R>(q, packed, dm, n, out, r0, begin, end); break;
+  case R: tile_rows<Bits, R>(w, unpacked, dm, q, r0, groups, out, out_stride); break;
     LOOPSTACK_AMX_ROWS(1) LOOPSTACK_AMX_ROWS(2) LOOPSTACK_AMX_ROWS(3) LOOPSTACK_AMX_ROWS(4)
     LOOPSTACK_AMX_ROWS(5) LOOPSTACK_AMX_ROWS(6) LOOPSTACK_AMX_ROWS(7) LOOPSTACK_AMX_ROWS(8)
     LOOPSTACK_AMX_ROWS(9) LOOPSTACK_AMX_ROWS(10) LOOPSTACK_AMX_ROWS(11) LOOPSTACK_AMX_ROWS(12)
     LOOPSTACK_AMX_ROWS(13) LOOPSTACK_AMX_ROWS(14) LOOPSTACK_AMX_ROWS(15) LOOPSTACK_AMX_ROWS(16)
 #undef LOOPSTACK_AMX_ROWS
     default: break;
+  }
+}
+
+// Weight row tiles [begin, end) for every input row: each tile's 4-bit codes are unpacked once and
+// serve every block of rows (up to 16 a block, the blocks as even as can be: 24 rows are 12 + 12,
+// so one tile configuration serves both; 17 are 9 + 8, configured per block).
+template <int Bits>
+void all_rows(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
+              int64_t begin, int64_t end) {
+  const int64_t groups = q.k / kGroup, tile_bytes = groups * kTile * kGroup * Bits / 8;
+  const int64_t blocks = (q.rows + kMaxTileRows - 1) / kMaxTileRows;
+  thread_local std::vector<uint8_t> buffer;  // the unpacked codes, 64-byte aligned inside it
+  if (Bits == 4 && static_cast<int64_t>(buffer.size()) < groups * 512 + 63) buffer.resize(groups * 512 + 63);
+  uint8_t* unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  int configured = 0;
+  for (int64_t t = begin; t < end; ++t) {
+    if constexpr (Bits == 4) unpack_tile(packed + t * tile_bytes, groups, unpacked);
+    for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+      const int rows = static_cast<int>((q.rows - r0) / (blocks - b));  // the rest, spread evenly
+      if (rows != configured) configure(rows), configured = rows;
+      block_rows<Bits>(rows, packed + t * tile_bytes, unpacked, dm + t * groups * 32, q, r0, groups,
+                       out + r0 * n + t * kTile, n);
+      r0 += rows;
+    }
   }
 }
 #endif
@@ -193,11 +203,8 @@ bool q4q8_amx_ready() {
 void q4q8_amx_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
                     int bits, int64_t begin, int64_t end) {
 #ifdef LOOPSTACK_Q4Q8_AMX
-  for (int64_t r0 = 0; r0 < q.rows; r0 += kMaxTileRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMaxTileRows, q.rows - r0));
-    if (bits == 4) rows_of<4>(q, packed, dm, n, out, r0, rows, begin, end);
-    else rows_of<8>(q, packed, dm, n, out, r0, rows, begin, end);
-  }
+  if (bits == 4) all_rows<4>(q, packed, dm, n, out, begin, end);
+  else all_rows<8>(q, packed, dm, n, out, begin, end);
   _tile_release();
 #else
   (void)q, (void)packed, (void)dm, (void)n, (void)out, (void)bits, (void)begin, (void)end;
