@@ -105,3 +105,22 @@ def test_the_amx_kernel_gives_the_vnni_kernels_bits(pack):
             assert torch.equal(with_tiles, without), rows
     finally:
         kernels.q4q8_use_amx(True)
+
+
+@pytest.mark.parametrize("pack", [pack_q4, pack_q8], ids=["q4", "q8"])
+def test_the_weight_prefetch_changes_no_bit(pack):
+    """Prefetching is a hint to the cache: any distance, none included, gives the same outputs."""
+    kernels = extension.load_extension()
+    torch.manual_seed(3)
+    packed, dm = pack(torch.randn(96, 576) * 0.05)
+    x = torch.randn(20, 576)  # VNNI rows and AMX blocks where the CPU has them
+    before = kernels.q4q8_prefetch(-1)
+    try:
+        outputs = []
+        for distance in (0, 64, 4096, 1 << 20):  # the last one far past the end of the weights
+            assert kernels.q4q8_prefetch(distance) >= 0
+            outputs.append(extension.q4q8_matmul(x, packed, dm))
+        assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    finally:
+        kernels.q4q8_prefetch(before)
+    assert kernels.q4q8_prefetch(-1) == before

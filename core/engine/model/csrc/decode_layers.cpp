@@ -126,6 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4q8_matmul", &q4q8_matmul, "4- or 8-bit weights x rows as two int8 digits (see q4q8_matmul.cpp)",
         no_gil);
   m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs the AVX-512 VNNI kernel");
+  m.def("q4q8_prefetch", &q4q8_prefetch, py::arg("bytes"),
+        "how far ahead (bytes of codes) the q4q8 kernels prefetch weights, 0: not at all; returns the setting before");
   m.def("q4q8_use_amx", &q4q8_use_amx, py::arg("enabled"),
         "allow (or not) the AMX kernel for inputs of several rows; returns whether it is in use now");
 }

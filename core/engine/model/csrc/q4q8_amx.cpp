@@ -89,8 +89,15 @@ void tile_rows(const uint8_t* w, const uint8_t* unpacked, const at::Half* dm, co
   const int64_t row_stride = groups * 2 * kGroup;  // bytes from one input row's group to the next row's
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t distance = q4q8::prefetch_bytes();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = Bits == 4 ? unpacked + g * 8 * 64 : w + g * kTile * kGroup;
+    if (Bits == 8 && distance > 0) {  // 4-bit codes are read (and prefetched) by unpack_tile
+#pragma GCC unroll 8
+      for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + distance + 64 * line), _MM_HINT_T0);
+    }
+    if (distance > 0)
+      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / (kTile * kGroup * Bits / 8), _MM_HINT_T0);
     const int8_t* digits = q.codes.data() + (r0 * groups + g) * 2 * kGroup;
     int32_t* high = sums_of[g & 1][0];
     int32_t* low = sums_of[g & 1][1];
@@ -128,7 +135,13 @@ void tile_rows(const uint8_t* w, const uint8_t* unpacked, const at::Half* dm, co
 // A 4-bit tile's codes as the bytes tiles multiply, group after group (8 rows of 64 bytes each).
 void unpack_tile(const uint8_t* w, int64_t groups, uint8_t* into) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int64_t distance = q4q8::prefetch_bytes();
   for (int64_t g = 0; g < groups; ++g) {
+    if (distance > 0) {
+#pragma GCC unroll 4
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + g * kTile * kGroup / 2 + distance + 64 * line), _MM_HINT_T0);
+    }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // chunk c: its low nibbles are B's row 2c, its high ones row 2c + 1
       const __m512i bytes = _mm512_loadu_si512(w + g * kTile * kGroup / 2 + c * 64);

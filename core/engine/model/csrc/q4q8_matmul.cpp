@@ -18,6 +18,11 @@
 // 4 input codes broadcast adds 4 products to each of the 16 rows' lanes: 64 products an
 // instruction, no horizontal sums, and a group's scales apply to all 16 rows at once.
 // dm [N / 16, K / 32, 32] float16: the tile's 16 d of group g, then its 16 m.
+//
+// The weights stream from memory once a step (a decode step's ~60 MB do not stay in cache between
+// steps), tile after tile, and the hardware's prefetcher alone leaves the multiplies waiting on
+// them: each group asks for the codes (and scales) kPrefetchBytes ahead (q4q8_matmul.h), about
+// a fifth off a batch-1 and a batch-8 decode step here.
 // 8-bit codes (quant.py's pack_q8: GGUF's Q8_0 as code = q + 128, m = -128 d, for the output head)
 // take [N / 16, K / 32, 512]: chunk c of 64 bytes holds inputs 32g + 4c .. + 3, byte 4j + i row
 // 16t + j's code of input 32g + 4c + i.
@@ -27,8 +32,10 @@
 #include "spin_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -49,8 +56,15 @@ void tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t distance = q4q8::prefetch_bytes();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kTile * kGroup * Bits / 8;
+    if (distance > 0) {
+#pragma GCC unroll 8
+      for (int line = 0; line < kTile * kGroup * Bits / 8 / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
+      // the same groups ahead in the scales (64 bytes a group)
+      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / (kTile * kGroup * Bits / 8), _MM_HINT_T0);
+    }
     __m512i codes[8];  // codes[j]: the 16 rows' codes of inputs 4j .. 4j + 3 of the group
     if constexpr (Bits == 4) {
 #pragma GCC unroll 4
@@ -113,6 +127,20 @@ void tile_rows_scalar(const uint8_t* w, int bits, const at::Half* dm, const Quan
 #endif
 
 }  // namespace
+
+namespace {
+int64_t initial_prefetch() {
+  const char* setting = std::getenv("LOOPSTACK_PREFETCH");
+  return setting ? std::max<int64_t>(0, std::atoll(setting)) : q4q8::kPrefetchBytes;
+}
+std::atomic<int64_t> prefetch_distance{initial_prefetch()};
+}  // namespace
+
+int64_t q4q8::prefetch_bytes() { return prefetch_distance.load(std::memory_order_relaxed); }
+
+int64_t q4q8_prefetch(int64_t bytes) {
+  return prefetch_distance.exchange(bytes < 0 ? prefetch_distance.load() : bytes);
+}
 
 bool q4q8_is_vectorized() {
 #ifdef LOOPSTACK_Q4Q8_VNNI

@@ -11,6 +11,14 @@ namespace q4q8 {
 constexpr int64_t kGroup = 32;  // inputs a weight group (and an activation group) covers
 constexpr int64_t kTile = 16;   // weight rows laid side by side
 constexpr int kLowBits = 7;     // an input is two int8 digits, high * 2^7 + low
+// How far ahead of the weights being multiplied the kernels ask the cache for the codes (and for
+// the same groups' scales), in bytes of codes: the hardware's own prefetcher leaves the
+// multiplies waiting on memory (q4q8_matmul.cpp). LOOPSTACK_PREFETCH=N sets it at start, 0: none.
+// scripts/ab_prefetch.py (decode steps in one process, alternating, 6 rounds): against none, 2048
+// bytes 0.82-0.86x the batch-1 step and 0.79-0.83x the batch-8 one, 4096 0.78-0.84x and 0.80-0.82x,
+// 8192 0.79x and 0.82x (batch 1 likes it far, batch 8 near)
+constexpr int64_t kPrefetchBytes = 4096;
+int64_t prefetch_bytes();
 }  // namespace q4q8
 
 // Input rows quantized per group of 32 to two int8 digits: codes [M, K / 32, 2, 32] (a group's
@@ -36,6 +44,9 @@ void q4q8_gemm(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm
 // Returns [M, N] in the rows' dtype; each output row depends on its input row alone (the same
 // bits in any batch).
 at::Tensor q4q8_matmul(const at::Tensor& rows, const at::Tensor& packed, const at::Tensor& dm);
+
+// Set the prefetch distance (bytes of codes ahead; 0: none; negative: leave it); returns the one before.
+int64_t q4q8_prefetch(int64_t bytes);
 
 // Whether q4q8_matmul runs the AVX-512 VNNI kernel (else a scalar loop, correct but slow).
 bool q4q8_is_vectorized();
