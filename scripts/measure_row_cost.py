@@ -1,13 +1,14 @@
 """What a verification row costs: the time of a batch-1 step verifying k draft tokens (k + 1 rows)
 against a plain decode step, on the engine as ``loopstack serve`` builds it. Source of the
-speculator's ``DEFAULT_ROW_COST`` (``core/engine/speculator.py``):
+speculator's step-cost curve (``DEFAULT_STEP_COST`` in ``core/engine/step_cost.py``: each k's
+median over the k = 0 median):
 
-    .venv/bin/python scripts/measure_row_cost.py --rounds 5
+    .venv/bin/python scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,39,47,63
 
 A proposer that always drafts k copies of one token (every draft rejected, so each step emits
-one token) makes each step verify exactly k + 1 rows; the rounds alternate k, and the median
-per k is fitted as ``fixed + per_row * rows`` (least squares). ``row_cost = per_row / fixed``
-is the speculator's unit: a step of n rows costs ``1 + row_cost * n`` fixed parts.
+one token) makes each step verify exactly k + 1 rows; the rounds alternate k. The last line is a
+least-squares line ``fixed + per_row * rows`` through the medians, for reference only: the curve
+is not a line (rows past 12 run on AMX tiles).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def main() -> None:
     fixed = mean_ms - per_row * mean_rows
     for k in ks:
         print(f"k={k} ({k + 1} rows): {medians[k]:.2f} ms a step (runs: {', '.join(f'{t:.2f}' for t in times[k])})")
-    print(f"fit: {fixed:.2f} + {per_row:.2f} * rows ms; row_cost = {per_row / fixed:.3f}")
+    print(f"line through them: {fixed:.2f} + {per_row:.2f} * rows ms")
+    if 0 in medians:  # the curve's points: (rows, time relative to a one-row step)
+        print("curve:", ", ".join(f"({k + 1}, {medians[k] / medians[0]:.2f})" for k in ks))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 A verification of ``k`` draft tokens adds ``k`` rows to a step. What they cost is not linear in
 ``k`` on the q4q8 kernels: the weights are read once a step however many rows share them, and
-from 12 rows the matmuls run on AMX tiles of 16 rows, so a row costs less the more there are, up
-to the attention each row pays over its own context. The curve is measured
+from 12 rows the matmuls run on AMX tiles of up to 16 rows, so a row costs less the more there
+are, up to the attention each row pays over its own context. The curve is measured
 (``scripts/measure_row_cost.py``: one request drafting exactly ``k`` rejected tokens a step, so
 every step computes ``k + 1`` rows) and stored as points relative to a one-row step; between
 points it is linear, past the last it goes on with the last segment's slope.
@@ -12,7 +12,7 @@ points it is linear, past the last it goes on with the last segment's slope.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DEFAULT_STEP_COST", "StepCost"]
 
@@ -23,6 +23,7 @@ class StepCost:
     pairs, rows increasing from 1, time not decreasing."""
 
     points: tuple[tuple[int, float], ...]
+    _rows: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         rows = [r for r, _ in self.points]
@@ -31,6 +32,7 @@ class StepCost:
             raise ValueError(f"StepCost: at least two points, the first at 1 row with a positive time: {self.points}")
         if any(b <= a for a, b in zip(rows, rows[1:])) or any(b < a for a, b in zip(times, times[1:])):
             raise ValueError(f"StepCost: rows must increase and times must not decrease: {self.points}")
+        object.__setattr__(self, "_rows", tuple(rows))  # bisected on every draft priced
 
     @classmethod
     def linear(cls, row_cost: float) -> StepCost:
@@ -41,8 +43,7 @@ class StepCost:
     def time(self, rows: float) -> float:
         """The time of a step of ``rows`` rows, relative to a one-row step."""
         rows = max(1.0, rows)
-        xs = [r for r, _ in self.points]
-        i = min(max(bisect.bisect_right(xs, rows), 1), len(xs) - 1)
+        i = min(max(bisect.bisect_right(self._rows, rows), 1), len(self._rows) - 1)
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 

@@ -89,7 +89,7 @@ void tile_rows(const uint8_t* w, const uint8_t* unpacked, const at::Half* dm, co
   const int64_t row_stride = groups * 2 * kGroup;  // bytes from one input row's group to the next row's
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t distance = q4q8::prefetch_bytes();
+  const int64_t distance = r0 == 0 ? q4q8::prefetch_bytes() : 0;  // later blocks: in cache already
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = Bits == 4 ? unpacked + g * 8 * 64 : w + g * kTile * kGroup;
     if (Bits == 8 && distance > 0) {  // 4-bit codes are read (and prefetched) by unpack_tile

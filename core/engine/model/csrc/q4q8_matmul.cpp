@@ -18,14 +18,15 @@
 // 4 input codes broadcast adds 4 products to each of the 16 rows' lanes: 64 products an
 // instruction, no horizontal sums, and a group's scales apply to all 16 rows at once.
 // dm [N / 16, K / 32, 32] float16: the tile's 16 d of group g, then its 16 m.
+// 8-bit codes (quant.py's pack_q8: GGUF's Q8_0 as code = q + 128, m = -128 d, for the output head)
+// take [N / 16, K / 32, 512]: chunk c of 64 bytes holds inputs 32g + 4c .. + 3, byte 4j + i row
+// 16t + j's code of input 32g + 4c + i.
 //
 // The weights stream from memory once a step (a decode step's ~60 MB do not stay in cache between
 // steps), tile after tile, and the hardware's prefetcher alone leaves the multiplies waiting on
 // them: each group asks for the codes (and scales) kPrefetchBytes ahead (q4q8_matmul.h), about
-// a fifth off a batch-1 and a batch-8 decode step here.
-// 8-bit codes (quant.py's pack_q8: GGUF's Q8_0 as code = q + 128, m = -128 d, for the output head)
-// take [N / 16, K / 32, 512]: chunk c of 64 bytes holds inputs 32g + 4c .. + 3, byte 4j + i row
-// 16t + j's code of input 32g + 4c + i.
+// a fifth off a batch-1 and a batch-8 decode step here. Only a tile's first pass over its rows
+// asks; later passes find the codes in cache.
 #include "q4q8_matmul.h"
 
 #include "q4q8_amx.h"
@@ -56,7 +57,7 @@ void tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t distance = q4q8::prefetch_bytes();
+  const int64_t distance = r0 == 0 ? q4q8::prefetch_bytes() : 0;  // later passes: in cache already
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kTile * kGroup * Bits / 8;
     if (distance > 0) {
