@@ -57,12 +57,13 @@ class StepCost:
         return [(self.time(n + j) - base) / share + per_token * j for j in range(1, max_draft + 1)]
 
 
-# measured on 2 Xeon cores (AVX-512 VNNI + AMX), SmolLM2-135M on the q4q8 kernels, a 400-token
-# context: `scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,39,47,63`,
-# two runs averaged (20-32 rows from the second, after the AMX kernel split 17-32 rows into two even
-# blocks); a one-row step 6.5-6.7 ms; 100 rows from `--ks 0,99` (past 64 rows a step leaves the C++
-# decode layers)
+# measured on 2 Xeon cores (AVX-512 VNNI + AMX), SmolLM2-135M on the q4q8 kernels with their
+# weight prefetch, a 400-token context: `scripts/measure_row_cost.py --rounds 3 --steps 16
+# --ks 0,1,3,5,7,11,15,19,23,31,39,47,63` (its "curve:" line; a one-row step 6.5 ms); 100 rows from
+# an earlier `--ks 0,99` (past 64 rows a step leaves the C++ decode layers). Before the prefetch,
+# 4 rows were 1.59 and 8 rows 2.22: the prefetch made a plain step cheaper but a few verification
+# rows cheaper still.
 DEFAULT_STEP_COST = StepCost((
-    (1, 1.0), (2, 1.26), (4, 1.59), (6, 2.03), (8, 2.22), (12, 2.73), (16, 3.38), (20, 4.18), (24, 4.72),
-    (32, 5.81), (40, 7.27), (48, 7.93), (64, 10.8), (100, 14.76),
+    (1, 1.0), (2, 1.19), (4, 1.36), (6, 1.82), (8, 1.94), (12, 2.68), (16, 3.33), (20, 4.10), (24, 4.55),
+    (32, 5.55), (40, 7.06), (48, 7.70), (64, 10.77), (100, 14.76),
 ))
