@@ -45,6 +45,7 @@ def engine_options(table: EngineTable, kv_cache: KVCacheOptions | None = None) -
         max_num_batched_tokens=table.max_num_batched_tokens,
         max_model_len=table.max_model_len,
         kv_cache=kv_cache or KVCacheOptions(),
+        kv_cache_dtype=table.kv_cache_dtype,
     )
 
 

@@ -20,7 +20,7 @@ from loopstack.engine.errors import EngineError
 from loopstack.engine.kept_logits import KeptLogits
 from loopstack.engine.kv_tier import make_tier
 from loopstack.engine.model.llama import CausalLM
-from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token, weight_bytes
+from loopstack.engine.model_runner import ModelRunner, kv_bytes_per_token, resolve_kv_cache_dtype, weight_bytes
 from loopstack.engine.request_log import RequestLog
 from loopstack.engine.sampler import sample, token_logprobs
 from loopstack.engine.sampling_params import SamplingParams
@@ -55,6 +55,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)  # eviction policy, pins, tier, log
     kept_logits: int = 8  # last logits of this many recent prompts: the same prompt again needs no forward (0: off)
+    kv_cache_dtype: str = "auto"  # auto (float16 under the C++ decode layers, else the model's) | float32 | float16 | bfloat16
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class RequestOutput:
     hidden_state: torch.Tensor | None = None  # [hidden] float32 on CPU: a finished HiddenCapture, once
 
 
-def _default_num_blocks(model: CausalLM, options: EngineOptions, max_model_len: int) -> int:
-    per_block = kv_bytes_per_token(model) * options.block_size
+def _default_num_blocks(model: CausalLM, options: EngineOptions, max_model_len: int, kv_dtype: torch.dtype) -> int:
+    per_block = kv_bytes_per_token(model, kv_dtype) * options.block_size
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         budget = int(free * GPU_KV_FRACTION)
@@ -109,7 +110,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = min(options.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings)
-        num_blocks = options.num_kv_blocks or _default_num_blocks(model, options, self.max_model_len)
+        kv_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, model)
+        num_blocks = options.num_kv_blocks or _default_num_blocks(model, options, self.max_model_len, kv_dtype)
         self.event_bus = event_bus
         cache = options.kv_cache
         self.block_manager = BlockManager(
@@ -121,7 +123,7 @@ class LLMEngine:
             self.block_manager, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
             kept_logits=self.kept_logits,
         )
-        self.runner = ModelRunner(model, self.block_manager, num_blocks)
+        self.runner = ModelRunner(model, self.block_manager, num_blocks, kv_dtype)
         self.block_manager.attach_block_copier(self.runner.copy_block_prefix)
         tier = make_tier(cache.tier, self.runner.kv_cache, cache.tier_blocks or num_blocks)
         if tier is not None:

@@ -13,12 +13,26 @@ from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 from loopstack.engine.scheduler import ScheduledChunk
 
-__all__ = ["ModelRunner", "kv_bytes_per_token", "weight_bytes"]
+__all__ = ["KV_CACHE_DTYPES", "ModelRunner", "kv_bytes_per_token", "resolve_kv_cache_dtype", "weight_bytes"]
 
 
-def kv_bytes_per_token(model: CausalLM) -> int:
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, model: CausalLM) -> torch.dtype:
+    """The KV cache dtype the engine option ``kv_cache_dtype`` names; ``auto``: the model's choice
+    (:attr:`CausalLM.kv_cache_dtype`: float16 under the C++ decode layers, else the model's dtype)."""
+    if name == "auto":
+        return model.kv_cache_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype | None = None) -> int:
+    """Bytes of KV cache one token takes in every layer (``dtype``: the cache's, default the model's choice)."""
     c = model.config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.finfo(dtype or model.kv_cache_dtype).bits // 8
 
 
 def weight_bytes(model: CausalLM) -> int:
@@ -33,11 +47,12 @@ def weight_bytes(model: CausalLM) -> int:
 class ModelRunner:
     """Runs forwards for the engine thread. Not thread-safe (one engine thread owns it)."""
 
-    def __init__(self, model: CausalLM, block_manager: BlockManager, num_blocks: int) -> None:
+    def __init__(self, model: CausalLM, block_manager: BlockManager, num_blocks: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, self.block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, self.block_size, dtype=kv_dtype)
         self.device = model.device
         self.tier: Any = None  # a second tier (loopstack.engine.kv_tier): the forward waits for its copies
 

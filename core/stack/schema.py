@@ -59,6 +59,10 @@ class EngineTable(_Table):
     native_decode: bool = Field(
         True, description="run decode steps' layer loop in C++ where it applies (CPU, int4); built on first use"
     )
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="KV cache dtype (auto: float16 under the C++ decode layers on CPU, where it halves what "
+        "attention over a long context reads; else the model's dtype)"
+    )
     remote: list[RemoteReplicaTable] = Field(
         default_factory=list, description="OpenAI-compatible servers served as replicas (tables, or plain base URLs)"
     )

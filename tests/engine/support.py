@@ -96,10 +96,11 @@ class PagedRunner:
     """Runs sequences through a model's paged forward, taking blocks from a shuffled pool
     so block tables are never contiguous. Sequences are keyed by any hashable id."""
 
-    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size, dtype=kv_dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[object, list[int]] = {}

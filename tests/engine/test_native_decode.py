@@ -17,12 +17,15 @@ from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.extension import has_q4q8
 from loopstack.engine.model.native_decode import NativeDecoder, load_extension
 from loopstack.engine.model.quant import quantize_model
+from loopstack.engine.model_runner import resolve_kv_cache_dtype
 from tests.engine.support import PagedRunner, build_tiny_model
 
 pytestmark = pytest.mark.skipif(
     load_extension() is None, reason="the native decode extension could not be built here (see the log)"
 )
 KERNELS = ["int4pack", pytest.param("q4q8", marks=pytest.mark.skipif(not has_q4q8(), reason="no AVX-512 VNNI here"))]
+# the caches the C++ loops read: float32, and float16 (the default under them: half the bytes)
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-float32", "kv-float16"])
 
 
 def quantized_pair(kernel="q4q8", head=None, **overrides):
@@ -42,11 +45,13 @@ def assert_matches(actual, expected, kernel):
         torch.testing.assert_close(actual, expected, atol=2e-3 * expected.abs().max().item(), rtol=0)
 
 
+@KV_DTYPES
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True}], ids=["llama", "qwen2-bias"])
-def test_decode_steps_match_the_python_layers(overrides, kernel):
+def test_decode_steps_match_the_python_layers(overrides, kernel, kv_dtype):
     python, native = quantized_pair(kernel, **overrides)
-    runners = PagedRunner(python), PagedRunner(native)  # same seed: the same shuffled block tables
+    # same seed: the same shuffled block tables; the same cache dtype on both
+    runners = PagedRunner(python, kv_dtype=kv_dtype), PagedRunner(native, kv_dtype=kv_dtype)
     prompts = {"a": [5, 9, 14, 3, 7, 11, 2 + 1], "b": [8, 1, 22, 4], "c": [30, 31, 32, 33, 34, 35, 36, 37, 38]}
     for runner in runners:  # prefill (more rows than the C++ loop takes): Python on both
         runner.step(prompts)
@@ -58,13 +63,14 @@ def test_decode_steps_match_the_python_layers(overrides, kernel):
     assert_matches(runners[1].kv_cache, runners[0].kv_cache, kernel)
 
 
+@KV_DTYPES
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", ["one", "two"])
-def test_several_new_tokens_per_sequence_match_the_python_layers(shape, kernel):
+def test_several_new_tokens_per_sequence_match_the_python_layers(shape, kernel, kv_dtype):
     """A speculative verification: k + 1 new tokens per sequence over its cached context, causal
     among themselves (and a short fresh prompt, which takes the same path)."""
     python, native = quantized_pair(kernel)
-    runners = PagedRunner(python), PagedRunner(native)
+    runners = PagedRunner(python, kv_dtype=kv_dtype), PagedRunner(native, kv_dtype=kv_dtype)
     prompts = {"a": [5, 9, 14, 3, 7, 11, 3]} if shape == "one" else {"a": [5, 9, 14, 3, 7, 11, 3], "b": [8, 1, 22, 4]}
     for runner in runners:
         runner.step(prompts)
@@ -77,10 +83,11 @@ def test_several_new_tokens_per_sequence_match_the_python_layers(shape, kernel):
     assert_matches(runners[1].kv_cache, runners[0].kv_cache, kernel)
 
 
+@KV_DTYPES
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_contiguous_single_sequence_reads_its_context_in_place(kernel):
+def test_contiguous_single_sequence_reads_its_context_in_place(kernel, kv_dtype):
     python, native = quantized_pair(kernel)
-    caches = [model.allocate_kv_cache(num_blocks=8, block_size=4) for model in (python, native)]
+    caches = [model.allocate_kv_cache(num_blocks=8, block_size=4, dtype=kv_dtype) for model in (python, native)]
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     with torch.inference_mode():
         for model, cache in zip((python, native), caches):
@@ -117,6 +124,16 @@ def test_a_q4q8_rows_logits_do_not_depend_on_the_batch():
     assert torch.equal(verify.step({"a": [40, 7, 8]}, all_logits=True)[0], plain.step({"a": [40]})[0])
 
 
+def test_its_cache_is_float16_by_default_and_float32_on_request():
+    python, native = quantized_pair("int4pack")
+    assert python.kv_cache_dtype == torch.float32  # the Python layers: the model's dtype
+    assert native.kv_cache_dtype == torch.float16 and native.allocate_kv_cache(2, 4).dtype == torch.float16
+    assert resolve_kv_cache_dtype("auto", native) == torch.float16
+    assert resolve_kv_cache_dtype("float32", native) == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16; got 'fp8'"):
+        resolve_kv_cache_dtype("fp8", native)
+
+
 def test_it_applies_only_where_it_is_exact():
     assert NativeDecoder.for_model(build_tiny_model()) is None  # float projections
     windowed = build_tiny_model(sliding_window=8)
@@ -146,7 +163,7 @@ def attend_each_row(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, len
                        for j in range(rows)])
     assert torch.equal(together, alone)  # bit for bit
     blocks = kv.view(2, -1, block_size, num_kv_heads, head_dim)[:, tables[0]]
-    k, v = blocks.reshape(2, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Hkv, C, D]
+    k, v = blocks.reshape(2, -1, num_kv_heads, head_dim).transpose(1, 2).float()  # [Hkv, C, D]
     for j, length in enumerate(lengths):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[j].view(num_kv_heads, num_heads // num_kv_heads, head_dim), k[:, :length], v[:, :length],
@@ -154,8 +171,9 @@ def attend_each_row(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, len
         torch.testing.assert_close(together[j], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
-    kv = torch.randn(2, 20 * 4, 3, 16)  # [2, slots, Hkv, D]
+@KV_DTYPES
+def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch(kv_dtype):
+    kv = torch.randn(2, 20 * 4, 3, 16).to(kv_dtype)  # [2, slots, Hkv, D]
     q = torch.randn(5, 6, 16)  # 5 rows of one sequence, 6 heads
     tables = torch.randperm(20).view(1, -1)
     attend_each_row(q, kv, tables, [60 + j for j in range(5)], 4, 0.25)
@@ -164,26 +182,28 @@ def test_each_row_attends_alone_so_its_result_does_not_depend_on_the_batch():
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
     (4, 4, 64), (8, 4, 64), (12, 3, 64), (24, 3, 64), (10, 2, 64), (16, 2, 128), (6, 1, 256), (6, 2, 32),
 ], ids=["group-1", "group-2", "group-4", "group-8", "group-5", "group-8-dim-128", "group-6-dim-256", "group-3-dim-32"])
-def test_the_query_heads_of_a_kv_group_attend_together_for_any_group_size(num_heads, num_kv_heads, head_dim):
+@KV_DTYPES
+def test_the_query_heads_of_a_kv_group_attend_together_for_any_group_size(num_heads, num_kv_heads, head_dim, kv_dtype):
     """A KV group's query heads read each key and value together, a few heads a pass (4, 3, 2 or
     1, by the group and head size): every split is softmax attention with shared KV heads."""
     torch.manual_seed(1)
     block_size, num_blocks = 16, 24
-    kv = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim)
+    kv = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim).to(kv_dtype)
     q = torch.randn(3, num_heads, head_dim)
     tables = torch.randperm(num_blocks).view(1, -1)
     attend_each_row(q, kv, tables, [5, 200, 300], block_size, head_dim ** -0.5)
 
 
+@KV_DTYPES
 @pytest.mark.parametrize("head_dim", [64, 48], ids=["vectorized-64", "generic-48"])
-def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim):
+def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim, kv_dtype):
     """Contexts longer than a span (256 positions) are attended span by span and merged; the
     result is softmax attention, a row's bits do not depend on the batch, and a contiguous
     sequence read in place gives the same bits as through its block table."""
     ext = load_extension()
     torch.manual_seed(0)
     block_size, num_blocks = 16, 80
-    kv = torch.randn(2, num_blocks * block_size, 3, head_dim)
+    kv = torch.randn(2, num_blocks * block_size, 3, head_dim).to(kv_dtype)
     q = torch.randn(5, 9, head_dim)  # 9 query heads over 3 KV heads
     lengths = [255, 256, 257, 700, 1030]
     tables = torch.randperm(num_blocks).view(1, -1)

@@ -262,7 +262,15 @@ def paged_attention(
         ``[T, num_heads, head_dim]`` attention output.
     """
     num_heads, num_kv_heads, head_dim = q.shape[1], kv.shape[2], kv.shape[3]
-    kv_slots.index_copy_(1, meta.slot_mapping, kv)
+    if kv_slots.dtype != kv.dtype:
+        # a narrower cache (float16 for a float32 model on CPU): every attention reads K/V as the
+        # cache holds them, the fresh prefill below too, so a prompt's tokens get the same
+        # values whether their K/V were just computed or read back from cache
+        kv = kv.to(kv_slots.dtype)
+        kv_slots.index_copy_(1, meta.slot_mapping, kv)
+        kv = kv.to(q.dtype)
+    else:
+        kv_slots.index_copy_(1, meta.slot_mapping, kv)
     if mask is None and meta.num_tokens > 1:
         # fresh prefill of one sequence: its context is exactly the new tokens.
         # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the (5x slower) math kernel
@@ -277,11 +285,11 @@ def paged_attention(
         # head become that head's query rows (no KV repeat)
         if context is None:
             context = _gather_context(kv_slots, meta)[:, :, :, : meta.context_lens[0]]
-        k_ctx, v_ctx = context  # [1, Hkv, C, D] each
+        k_ctx, v_ctx = context.to(q.dtype)  # [1, Hkv, C, D] each
         out = F.scaled_dot_product_attention(q.view(1, num_kv_heads, group, head_dim), k_ctx, v_ctx, scale=scale)
         return out.reshape(1, num_heads, head_dim)  # from [1, Hkv, G, D] (a CUDA kernel's output may be strided)
     num_seqs = meta.num_seqs
-    k_ctx, v_ctx = _gather_context(kv_slots, meta)  # [B, Hkv, K, D] each
+    k_ctx, v_ctx = _gather_context(kv_slots, meta).to(q.dtype)  # [B, Hkv, K, D] each
     if meta.max_query_len == 1:
         # decode: as above, grouped queries with no KV repeat
         q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
@@ -315,7 +323,7 @@ def _attend_each(
     for i, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         num_blocks = -(-context_len // block_size)
         context = blocks.index_select(1, meta.block_tables[i, :num_blocks])  # [2, n, bs, Hkv, D]
-        k, v = context.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len].transpose(1, 2)
+        k, v = context.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :context_len].to(q.dtype).transpose(1, 2)
         rows = q[start : start + query_len]
         if query_len == 1:  # a decode: the queries sharing a KV head are its rows (the mask: a window)
             attended = F.scaled_dot_product_attention(

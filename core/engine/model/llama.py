@@ -36,6 +36,9 @@ from loopstack.engine.model.attention import (
 if TYPE_CHECKING:
     from loopstack.engine.model.native_decode import NativeDecoder
 
+# caches the C++ decode layers read (attend_rows.cpp); another dtype takes the Python layers
+NATIVE_KV_DTYPES = (torch.float32, torch.float16)
+
 __all__ = ["CausalLM", "LayerKind", "rope_inv_freq"]
 
 
@@ -283,12 +286,22 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float16 under the C++ decode layers (a float32 model on CPU),
+        where attention over a long context is bound by reading K/V from memory and half the
+        bytes are nearly half the time (docs/engine.md, "A float16 KV cache"); else the model's.
+        The engine option ``kv_cache_dtype`` overrides it."""
+        if self.native_decoder is not None and self.dtype == torch.float32:
+            return torch.float16
+        return self.dtype
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zeroed cache for this model: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         c = self.config
         return allocate_kv_cache(
             c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-            dtype=dtype or self.dtype, device=self.device,
+            dtype=dtype or self.kv_cache_dtype, device=self.device,
         )
 
     def forward(
@@ -334,7 +347,7 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids)  # [T, hidden]
         kv_slots = kv_cache.flatten(2, 3)  # [L, 2, num_blocks * block_size, Hkv, D]
         native = self.native_decoder
-        if native is not None and not captures and native.applies(meta):
+        if native is not None and not captures and kv_cache.dtype in NATIVE_KV_DTYPES and native.applies(meta):
             cos, sin = self._rotary(positions, hidden.dtype, self.inv_freq)  # [T, H + 2 Hkv, D]
             hidden = native.run(hidden, cos, sin, kv_slots, meta)  # every layer, in C++ (no mask: each row alone)
             return self._logits(hidden, meta, logits_indices)

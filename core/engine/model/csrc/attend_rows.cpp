@@ -8,6 +8,17 @@
 #include <algorithm>
 #include <cmath>
 
+#define LS_INLINE_LOAD __attribute__((always_inline))
+
+// Sixteen cached K or V entries as floats: the cache holds float32, or float16 (half the bytes a
+// long context's attention streams from memory; see attend_rows.h)
+#ifdef __AVX512F__
+LS_INLINE_LOAD inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LS_INLINE_LOAD inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
@@ -77,7 +88,8 @@ float exp_in_place(float* x, int64_t n, float top) {
   return total;
 }
 
-// One head at a time for any head_dim, with dot() and axpy().
+// One head at a time for any head_dim, with dot() and axpy() (a float16 cache's entries are
+// widened into a row buffer first: a head_dim the group kernels have no shape for is rare).
 void score_run_any(const float* query, const float* key, int64_t stride, int64_t count, int64_t dim, float scale,
                    float* out) {
   for (int64_t i = 0; i < count; ++i, key += stride) out[i] = dot(query, key, dim) * scale;
@@ -85,6 +97,24 @@ void score_run_any(const float* query, const float* key, int64_t stride, int64_t
 
 void value_run_any(const float* weights, const float* value, int64_t stride, int64_t count, int64_t dim, float* acc) {
   for (int64_t i = 0; i < count; ++i, value += stride) axpy(weights[i], value, acc, dim);
+}
+
+void score_run_any(const float* query, const c10::Half* key, int64_t stride, int64_t count, int64_t dim, float scale,
+                   float* out) {
+  std::vector<float> row(dim);
+  for (int64_t i = 0; i < count; ++i, key += stride) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(key[d]);
+    out[i] = dot(query, row.data(), dim) * scale;
+  }
+}
+
+void value_run_any(const float* weights, const c10::Half* value, int64_t stride, int64_t count, int64_t dim,
+                   float* acc) {
+  std::vector<float> row(dim);
+  for (int64_t i = 0; i < count; ++i, value += stride) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(value[d]);
+    axpy(weights[i], row.data(), acc, dim);
+  }
 }
 
 #ifdef __AVX512F__
@@ -109,18 +139,18 @@ LS_INLINE inline __m512 sum_lanes16(Vector&& vector) {
 
 // The same for all G query heads of a KV group at once: each key (and value) is loaded once for the
 // G heads, which keep their queries (and outputs) in registers. out and weights: G rows `ld` apart.
-template <int C, int G>
-void score_group(const float* queries, const float* key, int64_t stride, int64_t count, float scale, float* out,
+template <int C, int G, class KV>
+void score_group(const float* queries, const KV* key, int64_t stride, int64_t count, float scale, float* out,
                  int64_t ld) {
   __m512 q[G][C];
   LS_UNROLL for (int g = 0; g < G; ++g)
     LS_UNROLL for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(queries + g * 16 * C + 16 * c);
-  auto partial = [&](const float* k_row, int g) LS_INLINE {  // the 16 lanes whose sum is q_g . k
-    __m512 a = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(k_row));
-    __m512 b = C > 1 ? _mm512_mul_ps(q[g][1], _mm512_loadu_ps(k_row + 16)) : _mm512_setzero_ps();
+  auto partial = [&](const KV* k_row, int g) LS_INLINE {  // the 16 lanes whose sum is q_g . k
+    __m512 a = _mm512_mul_ps(q[g][0], load16(k_row));
+    __m512 b = C > 1 ? _mm512_mul_ps(q[g][1], load16(k_row + 16)) : _mm512_setzero_ps();
     LS_UNROLL for (int c = 2; c < C; c += 2) {
-      a = _mm512_fmadd_ps(q[g][c], _mm512_loadu_ps(k_row + 16 * c), a);
-      if (c + 1 < C) b = _mm512_fmadd_ps(q[g][c + 1], _mm512_loadu_ps(k_row + 16 * (c + 1)), b);
+      a = _mm512_fmadd_ps(q[g][c], load16(k_row + 16 * c), a);
+      if (c + 1 < C) b = _mm512_fmadd_ps(q[g][c + 1], load16(k_row + 16 * (c + 1)), b);
     }
     return _mm512_add_ps(a, b);
   };
@@ -139,14 +169,14 @@ void score_group(const float* queries, const float* key, int64_t stride, int64_t
   }
 }
 
-template <int C, int G>
-void value_group(const float* weights, int64_t ld, const float* value, int64_t stride, int64_t count, float* acc) {
+template <int C, int G, class KV>
+void value_group(const float* weights, int64_t ld, const KV* value, int64_t stride, int64_t count, float* acc) {
   __m512 a[G][C];
   LS_UNROLL for (int g = 0; g < G; ++g)
     LS_UNROLL for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + 16 * c);
   for (int64_t i = 0; i < count; ++i, value += stride) {
     __m512 v[C];
-    LS_UNROLL for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    LS_UNROLL for (int c = 0; c < C; ++c) v[c] = load16(value + 16 * c);
     LS_UNROLL for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(weights[g * ld + i]);
       LS_UNROLL for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
@@ -157,37 +187,38 @@ void value_group(const float* weights, int64_t ld, const float* value, int64_t s
 }
 #endif
 
-using ScoreGroup = void (*)(const float*, const float*, int64_t, int64_t, float, float*, int64_t);
-using ValueGroup = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
-
+template <class KV>
 struct Runs {
+  using ScoreGroup = void (*)(const float*, const KV*, int64_t, int64_t, float, float*, int64_t);
+  using ValueGroup = void (*)(const float*, int64_t, const KV*, int64_t, int64_t, float*);
   ScoreGroup score = nullptr;  // null: one head at a time with dot() and axpy()
   ValueGroup value = nullptr;
   int64_t heads = 1;  // query heads each call covers
 };
 
 #ifdef __AVX512F__
-template <int C>
-Runs group_runs(int64_t group) {
+template <int C, class KV>
+Runs<KV> group_runs(int64_t group) {
   // as many heads of the group a call as keep their queries and outputs in registers (G x C of 32)
   if constexpr (C <= 4) {
-    if (group % 4 == 0) return {score_group<C, 4>, value_group<C, 4>, 4};
-    if (group % 3 == 0) return {score_group<C, 3>, value_group<C, 3>, 3};
+    if (group % 4 == 0) return {score_group<C, 4, KV>, value_group<C, 4, KV>, 4};
+    if (group % 3 == 0) return {score_group<C, 3, KV>, value_group<C, 3, KV>, 3};
   }
   if constexpr (C <= 8) {
-    if (group % 2 == 0) return {score_group<C, 2>, value_group<C, 2>, 2};
+    if (group % 2 == 0) return {score_group<C, 2, KV>, value_group<C, 2, KV>, 2};
   }
-  return {score_group<C, 1>, value_group<C, 1>, 1};
+  return {score_group<C, 1, KV>, value_group<C, 1, KV>, 1};
 }
 #endif
 
-Runs runs_for(int64_t dim, int64_t group) {
+template <class KV>
+Runs<KV> runs_for(int64_t dim, int64_t group) {
 #ifdef __AVX512F__
   switch (dim) {
-    case 32: return group_runs<2>(group);
-    case 64: return group_runs<4>(group);
-    case 128: return group_runs<8>(group);
-    case 256: return group_runs<16>(group);
+    case 32: return group_runs<2, KV>(group);
+    case 64: return group_runs<4, KV>(group);
+    case 128: return group_runs<8, KV>(group);
+    case 256: return group_runs<16, KV>(group);
     default: break;
   }
 #endif
@@ -206,7 +237,8 @@ struct SpanItem {
 
 }  // namespace
 
-void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride, const float* k, const float* v,
+template <class KV>
+void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride, const KV* k, const KV* v,
                      const int64_t* table, const std::vector<int64_t>& row_seq,
                      const std::vector<int64_t>& row_context_lens, float* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, slot_stride = s.num_kv_heads * s.head_dim, dim = s.head_dim;
@@ -220,7 +252,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
   }
   first_item[s.batch] = static_cast<int64_t>(items.size());
   // per item and query head of its group: the span's top score, its weights' sum, its weighted values
-  const Runs runs = runs_for(dim, group);
+  const Runs<KV> runs = runs_for<KV>(dim, group);
   std::vector<float> tops(items.size() * group), sums(items.size() * group), accs(items.size() * group * dim);
   // Worked in another order than stored: the rows of one sequence (a verification's k + 1 rows)
   // side by side for each (KV head, span), so a span's keys and values come from memory for its
@@ -253,8 +285,8 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
         }
       };
       const float* queries = q + item.row * q_row_stride + item.kv_head * group * dim;
-      const float* keys = k + item.kv_head * dim;
-      const float* values = v + item.kv_head * dim;
+      const KV* keys = k + item.kv_head * dim;
+      const KV* values = v + item.kv_head * dim;
       scores.resize(group * length);
       float* top = tops.data() + index * group;
       float* sum = sums.data() + index * group;
@@ -302,3 +334,9 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
     }
   });
 }
+
+template void attend_rows_raw<float>(const AttendShape&, const float*, int64_t, const float*, const float*,
+                                     const int64_t*, const std::vector<int64_t>&, const std::vector<int64_t>&, float*);
+template void attend_rows_raw<c10::Half>(const AttendShape&, const float*, int64_t, const c10::Half*,
+                                         const c10::Half*, const int64_t*, const std::vector<int64_t>&,
+                                         const std::vector<int64_t>&, float*);

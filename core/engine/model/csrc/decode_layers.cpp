@@ -38,11 +38,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& scaled_weight, const 
 // Single-query attention of every (row, head), each alone over exactly its row's context with
 // its own fixed order of operations: a row's output is the same bits whatever else is in the
 // batch (see native_decode.py). Work is split by (row, head). q: [B, H, D] float32 (any row
-// stride); kv: this layer's [2, num_slots, Hkv, D] float32 cache; returns [B, H * D].
+// stride); kv: this layer's [2, num_slots, Hkv, D] float32 or float16 cache; returns [B, H * D].
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_tables,
                        const std::vector<int64_t>& row_context_lens, const std::vector<int64_t>& query_lens,
                        int64_t contiguous_start, int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat, "float32 queries and cache");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf),
+              "float32 queries, a float32 or float16 cache");
   const int64_t batch = q.size(0), num_seqs = static_cast<int64_t>(query_lens.size());
   TORCH_CHECK(kv.is_contiguous() && q.stride(2) == 1 && q.stride(1) == q.size(2), "unexpected layouts");
   std::vector<int64_t> row_seq;
@@ -52,9 +53,14 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   const AttendShape shape{batch, q.size(1), kv.size(2), q.size(2), block_size, tables.size(1), contiguous_start,
                           static_cast<float>(scale)};
   at::Tensor out = at::empty({batch, q.size(1) * q.size(2)}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  attend_rows_raw(shape, q.data_ptr<float>(), q.stride(0), kv.select(0, 0).data_ptr<float>(),
-                  kv.select(0, 1).data_ptr<float>(), tables.data_ptr<int64_t>(), row_seq, row_context_lens,
-                  out.data_ptr<float>());
+  if (kv.scalar_type() == at::kHalf)
+    attend_rows_raw(shape, q.data_ptr<float>(), q.stride(0), kv.select(0, 0).data_ptr<c10::Half>(),
+                    kv.select(0, 1).data_ptr<c10::Half>(), tables.data_ptr<int64_t>(), row_seq, row_context_lens,
+                    out.data_ptr<float>());
+  else
+    attend_rows_raw(shape, q.data_ptr<float>(), q.stride(0), kv.select(0, 0).data_ptr<float>(),
+                    kv.select(0, 1).data_ptr<float>(), tables.data_ptr<int64_t>(), row_seq, row_context_lens,
+                    out.data_ptr<float>());
   return out;
 }
 
@@ -97,7 +103,7 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
     qkv = at::addcmul(qkv * cos, qkv.roll({head_dim / 2}, {-1}), sin);  // float32 from here (cos is)
     at::Tensor kv = qkv.slice(1, num_heads).view({batch, 2, num_kv_heads, head_dim}).transpose(0, 1);
     at::Tensor layer_slots = kv_slots.select(0, layer);  // [2, S, Hkv, D]
-    layer_slots.index_copy_(1, slot_mapping, kv);
+    layer_slots.index_copy_(1, slot_mapping, kv.to(layer_slots.scalar_type()));
     at::Tensor attn = attend_rows(qkv.slice(1, 0, num_heads), layer_slots, block_tables, row_context_lens,
                                   query_lens, contiguous_start, block_size, scale);  // [B, H * D]
     hidden = hidden + int4_mm(attn.to(bf16), o_w, group_size);

@@ -93,7 +93,9 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == num_layers * per_layer, "expected ", per_layer,
               " tensors per layer");
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kv_slots.is_contiguous() &&
-                  kv_slots.scalar_type() == at::kFloat, "float32 hidden states, rotary tables and cache");
+                  (kv_slots.scalar_type() == at::kFloat || kv_slots.scalar_type() == at::kHalf),
+              "float32 hidden states and rotary tables, a float32 or float16 cache");
+  const bool half_cache = kv_slots.scalar_type() == at::kHalf;
   at::Tensor hidden_t = hidden_in.contiguous().clone();
   const at::Tensor cos_t = cos.contiguous(), sin_t = sin.contiguous();
   const int64_t batch = hidden_t.size(0), size = hidden_t.size(1);
@@ -112,7 +114,8 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
   float* x = hidden_t.data_ptr<float>();
   const float* cos_data = cos_t.data_ptr<float>();
   const float* sin_data = sin_t.data_ptr<float>();
-  float* cache = kv_slots.data_ptr<float>();
+  float* cache = half_cache ? nullptr : kv_slots.data_ptr<float>();
+  c10::Half* half_cache_data = half_cache ? kv_slots.data_ptr<c10::Half>() : nullptr;
   std::vector<float> h(batch * size), qkv(batch * qkv_size), attn(batch * num_heads * head_dim), rotated(head_dim);
   std::vector<float> out, gate_up, act;
   QuantizedRows q;
@@ -127,8 +130,7 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
     rms_norm(x, batch, size, w[0].data_ptr<float>(), *w[1].data_ptr<float>(), h.data());
     quantize_rows(h.data(), batch, size, q);
     project(q, qkv_w, qkv.data());
-    float* k_cache = cache + layer * 2 * num_slots * kv_size;
-    float* v_cache = k_cache + num_slots * kv_size;
+    const int64_t layer_offset = layer * 2 * num_slots * kv_size;
     for (int64_t r = 0; r < batch; ++r) {
       float* row = qkv.data() + r * qkv_size;
       for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {  // v's rows of cos/sin are 1/0
@@ -140,11 +142,25 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
         for (int64_t d = half; d < head_dim; ++d) rotated[d] = v[d] * c[d] + v[d - half] * s[d];
         std::copy(rotated.begin(), rotated.end(), v);
       }
-      std::copy(row + num_heads * head_dim, row + (num_heads + num_kv_heads) * head_dim, k_cache + slot[r] * kv_size);
-      std::copy(row + (num_heads + num_kv_heads) * head_dim, row + qkv_size, v_cache + slot[r] * kv_size);
+      // this row's K and V into the cache (rounded to float16 as torch's .to() rounds, for a half one)
+      const float* k_row = row + num_heads * head_dim;
+      const float* v_row = row + (num_heads + num_kv_heads) * head_dim;
+      const int64_t k_at = layer_offset + slot[r] * kv_size, v_at = k_at + num_slots * kv_size;
+      if (half_cache) {
+        for (int64_t i = 0; i < kv_size; ++i) half_cache_data[k_at + i] = c10::Half(k_row[i]);
+        for (int64_t i = 0; i < kv_size; ++i) half_cache_data[v_at + i] = c10::Half(v_row[i]);
+      } else {
+        std::copy(k_row, k_row + kv_size, cache + k_at);
+        std::copy(v_row, v_row + kv_size, cache + v_at);
+      }
     }
-    attend_rows_raw(shape, qkv.data(), qkv_size, k_cache, v_cache, tables.data_ptr<int64_t>(), row_seq,
-                    row_context_lens, attn.data());
+    if (half_cache)
+      attend_rows_raw(shape, qkv.data(), qkv_size, half_cache_data + layer_offset,
+                      half_cache_data + layer_offset + num_slots * kv_size, tables.data_ptr<int64_t>(), row_seq,
+                      row_context_lens, attn.data());
+    else
+      attend_rows_raw(shape, qkv.data(), qkv_size, cache + layer_offset, cache + layer_offset + num_slots * kv_size,
+                      tables.data_ptr<int64_t>(), row_seq, row_context_lens, attn.data());
     quantize_rows(attn.data(), batch, num_heads * head_dim, q);
     out.resize(batch * size);
     project(q, o_w, out.data());
