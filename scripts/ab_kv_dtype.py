@@ -14,27 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
-from typing import Any
+
+from decode_timing import time_decode
 
 DTYPES = ("float32", "float16")
-
-
-def decode(engine: Any, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    """ms a decode step over ``prompts`` (prefill and the first token excluded), and the outputs."""
-    from loopstack.engine.sampling_params import SamplingParams
-
-    engine.block_manager.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
-    seqs = [engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
-    while not all(s.output_token_ids for s in seqs):
-        engine.step()
-    steps, started = 0, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - started) * 1e3 / steps, [list(s.output_token_ids) for s in seqs]
 
 
 def main() -> None:
@@ -65,8 +49,10 @@ def main() -> None:
         outputs: dict[str, list[list[int]]] = {}
         for round_ in range(args.rounds):
             for dtype in DTYPES if round_ % 2 == 0 else DTYPES[::-1]:
-                ms, outputs[dtype] = decode(engines[dtype], prompts, args.tokens)
-                times[dtype].append(ms)
+                engines[dtype].block_manager.reset_prefix_cache()
+                timing = time_decode(engines[dtype], prompts, args.tokens)
+                times[dtype].append(timing.ms_per_step)
+                outputs[dtype] = timing.outputs
         ratio = statistics.median(b / a for a, b in zip(times["float32"], times["float16"], strict=True))
         pairs = [(a, b) for x, y in zip(outputs["float32"], outputs["float16"], strict=True)
                  for a, b in zip(x, y, strict=True)]

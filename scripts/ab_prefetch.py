@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
+
+from decode_timing import time_decode
 
 
 def decode_ms(engine: Any, batch: int, tokens: int) -> float:
-    from loopstack.engine.sampling_params import SamplingParams
-
     engine.block_manager.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
-    seqs = [engine.add_request(f"ab-{time.monotonic_ns()}-{i}",
-                               engine.tokenizer.encode(f"The history of the printing press, part {i}"), params)
-            for i in range(batch)]
-    while not all(s.output_token_ids for s in seqs):  # prefill and the first token are not decode
-        engine.step()
-    steps, started = 0, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - started) * 1e3 / steps
+    prompts = [engine.tokenizer.encode(f"The history of the printing press, part {i}") for i in range(batch)]
+    return time_decode(engine, prompts, tokens).ms_per_step
 
 
 def main() -> None:

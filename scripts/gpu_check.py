@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from decode_timing import time_decode
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS: dict[str, Any] = {}
 DEVICE = ["cuda"]  # --device (cpu: a smoke run of this script where no GPU is)
@@ -166,18 +168,8 @@ def engine_logits(engine: Any, ids: list[int]) -> Any:
 
 
 def decode_speed(engine: Any, batch: int, tokens: int) -> float:
-    from loopstack.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
-    seqs = [engine.add_request(f"d-{time.monotonic_ns()}-{i}", engine.tokenizer.encode(f"Story number {i}: once upon"),
-                               params) for i in range(batch)]
-    while not all(s.output_token_ids for s in seqs):
-        engine.step()
-    steps, started = 0, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - started)
+    prompts = [engine.tokenizer.encode(f"Story number {i}: once upon") for i in range(batch)]
+    return time_decode(engine, prompts, tokens).tokens_per_s
 
 
 def ttft(engine: Any, ids: list[int]) -> float:
