@@ -32,6 +32,24 @@ def test_kv_export_then_import_continues_exactly():
     assert target.block_manager.statistics().num_used_blocks == 0
 
 
+def test_kv_moves_between_caches_of_different_dtypes():
+    """A float32 pool handing KV to a float16 one (say a prefill worker without the C++ decode
+    loop, a decode worker with it): the importing side converts to its own dtype."""
+    import torch
+
+    source, target = make_engine(kv_cache_dtype="float32"), make_engine(num_kv_blocks=96, kv_cache_dtype="float16")
+    assert source.runner.kv_cache.dtype == torch.float32 and target.runner.kv_cache.dtype == torch.float16
+    prefill(source, "z", PROMPTS[2])
+    handoff = export_request(source, "z")
+    source.abort("z")
+    moved = import_request(target, handoff)
+    blocks = list(target.block_manager.block_table("z"))[: handoff.kv.shape[2]]
+    assert torch.equal(target.runner.export_kv(blocks), handoff.kv.to(torch.float16))
+    while not moved.is_finished:
+        target.step()
+    assert len(moved.output_token_ids) == PARAMS.max_tokens
+
+
 def test_import_reuses_blocks_the_target_already_caches():
     source, target = make_engine(), make_engine()
     target.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1))  # warms the prefix
