@@ -11,7 +11,9 @@ Columns are backends, not stacks, each in a process of its own with the machine'
 Every round measures every column in turn (the runner alternates the order): a 1,024-token
 prefill, 64 greedy decode tokens at batch 1 and at batch 8 (8 concurrent streams for the
 servers), and the time to first token of a 512-token prompt cold, again (all of it cached),
-and with a short new message after it (its prefix cached: an agent's next turn). A backend that cannot do something (llama-cpp-python has no batched decode) reports no
+and with a short new message after it (its prefix cached: an agent's next turn); and, for the
+in-process backends, 64 batch-1 decode tokens after a 2,000-token prompt (an agent's context,
+where reading the KV cache is much of a step; not in ``--quick``). A backend that cannot do something (llama-cpp-python has no batched decode) reports no
 figure for it rather than a made-up one. ``-o backends=loopstack,llama.cpp`` picks columns;
 ``-o decode_tokens=N`` sets the decode length.
 """
@@ -29,6 +31,7 @@ from loopstack.stack.schema import ResolvedStack
 PREFILL_TOKENS = 1024
 TTFT_TOKENS = 512
 DECODE_TOKENS = 64
+LONG_CONTEXT_TOKENS = 2000  # the prompt before the long-context decode
 BATCH = 8
 IN_PROCESS = ("loopstack", "llama.cpp", "transformers")
 SERVERS = ("loopstack serve", "llama.cpp server")
@@ -79,10 +82,12 @@ class EngineWorkload(Workload):
         essays = tuple(f"Write a long, detailed essay about {topic}." for topic in ESSAY_TOPICS[:BATCH])
         steps = options.steps or (1 if options.quick else self.default_steps)
         next_turn = tokenizer.encode(NEXT_TURN_TEXT)
+        long_context = [] if options.quick else bench_prompt_ids(tokenizer, LONG_CONTEXT_TOKENS, data, variant=30)
         for index in range(steps):
             ttft = bench_prompt_ids(tokenizer, TTFT_TOKENS, data, variant=1 + index)
             self._prompts.append(EnginePrompts(prefill, batch, ttft, decode_tokens, tokenizer.decode(prefill),
-                                               tokenizer.decode(ttft), essays, next_turn, NEXT_TURN_TEXT))
+                                               tokenizer.decode(ttft), essays, next_turn, NEXT_TURN_TEXT,
+                                               long_context))
         engine_json = table.model_dump_json()
         for name in (c for c in columns if c in IN_PROCESS):
             self._backends[name] = await asyncio.to_thread(WorkerBackend, name, engine_json, threads)
@@ -98,6 +103,7 @@ class EngineWorkload(Workload):
         self._config = {
             "model": table.model, "threads": threads, "prefill_tokens": PREFILL_TOKENS,
             "ttft_prompt_tokens": TTFT_TOKENS, "decode_tokens": decode_tokens, "batch": BATCH,
+            "long_context_tokens": 0 if options.quick else LONG_CONTEXT_TOKENS,
             "processes": "each backend in its own process; the servers over HTTP, streamed",
             "loopstack": self._backends["loopstack"].description if "loopstack" in self._backends else None,
         }

@@ -111,7 +111,7 @@ class LlamaCppBackend:
     def __init__(self, gguf_path: Any, threads: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_batch=512, n_threads=threads,
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=4096, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
 
     def reset_cache(self) -> None:

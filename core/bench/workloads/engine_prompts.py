@@ -56,7 +56,7 @@ class EnginePrompts:
     ``prefill``: a long prompt (prefill tok/s); ``batch``: same-length prompts decoded together
     (the first alone is batch 1); ``ttft``: a prompt timed cold, then again (all of it cached),
     then with ``next_turn`` after it (its prefix cached, a new message to compute, as in an agent's
-    next turn).
+    next turn); ``long_context``: a prompt of an agent's length, batch-1 decode after it.
     ``*_text``: the same as chat messages for the servers (``essays`` ask for long answers, so
     every stream decodes ``decode_tokens`` before the model would stop).
     """
@@ -70,6 +70,7 @@ class EnginePrompts:
     essays: tuple[str, ...] = ()
     next_turn: list[int] = field(default_factory=list)
     next_turn_text: str = ""
+    long_context: list[int] = field(default_factory=list)  # batch-1 decode after it (empty: not measured)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

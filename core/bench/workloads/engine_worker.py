@@ -41,6 +41,8 @@ def measure(backend: Any, prompts: EnginePrompts) -> dict[str, float]:
     if backend.supports_batch:
         out["decode_tok_s.batch8"] = backend.decode_tok_s(prompts.batch, prompts.decode_tokens)
         out["decode_batch8_over_batch1"] = out["decode_tok_s.batch8"] / out["decode_tok_s.batch1"]
+    if prompts.long_context:
+        out["decode_tok_s.batch1_after_long_context"] = backend.decode_tok_s([prompts.long_context], prompts.decode_tokens)
     backend.reset_cache()
     out["ttft_s.cold"] = backend.ttft(prompts.ttft)
     out["ttft_s.cached"] = backend.ttft(prompts.ttft)
