@@ -262,19 +262,15 @@ def paged_attention(
         ``[T, num_heads, head_dim]`` attention output.
     """
     num_heads, num_kv_heads, head_dim = q.shape[1], kv.shape[2], kv.shape[3]
-    if kv_slots.dtype != kv.dtype:
-        # a narrower cache (float16 for a float32 model on CPU): every attention reads K/V as the
-        # cache holds them, the fresh prefill below too, so a prompt's tokens get the same
-        # values whether their K/V were just computed or read back from cache
-        kv = kv.to(kv_slots.dtype)
-        kv_slots.index_copy_(1, meta.slot_mapping, kv)
-        kv = kv.to(q.dtype)
-    else:
-        kv_slots.index_copy_(1, meta.slot_mapping, kv)
+    # a cache may be narrower than the model (float16 for a float32 model on CPU): every attention
+    # reads K/V as the cache holds them, the fresh prefill below too, so a prompt's positions get
+    # the same values whether their K/V were just computed or read back from cache
+    stored = kv.to(kv_slots.dtype)  # no copy when the dtypes agree
+    kv_slots.index_copy_(1, meta.slot_mapping, stored)
     if mask is None and meta.num_tokens > 1:
         # fresh prefill of one sequence: its context is exactly the new tokens.
         # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the (5x slower) math kernel
-        k, v = kv.transpose(1, 2)[:, None]  # [1, Hkv, T, D] each
+        k, v = stored.to(q.dtype).transpose(1, 2)[:, None]  # [1, Hkv, T, D] each
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k, v, is_causal=True, scale=scale, enable_gqa=True,
         )  # [1, H, T, D]

@@ -8,17 +8,6 @@
 #include <algorithm>
 #include <cmath>
 
-#define LS_INLINE_LOAD __attribute__((always_inline))
-
-// Sixteen cached K or V entries as floats: the cache holds float32, or float16 (half the bytes a
-// long context's attention streams from memory; see attend_rows.h)
-#ifdef __AVX512F__
-LS_INLINE_LOAD inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-LS_INLINE_LOAD inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
 float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
@@ -54,6 +43,15 @@ namespace {
 // load, FMA and store per chunk and key through memory (the value loop ran 4x slower so)
 #define LS_UNROLL _Pragma("GCC unroll 16")
 #define LS_INLINE __attribute__((always_inline))
+
+// Sixteen cached K or V entries as floats: the cache holds float32, or float16 (half the bytes a
+// long context's attention streams from memory; see attend_rows.h)
+#ifdef __AVX512F__
+LS_INLINE inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LS_INLINE inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 // The largest of n > 0 scores, sixteen lanes at a time (std::max_element is a scalar chain of
 // dependent maxss, a tenth of a verification's attention time)
