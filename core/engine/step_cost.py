@@ -62,7 +62,11 @@ class StepCost:
 # --ks 0,1,3,5,7,11,15,19,23,31,39,47,63` (its "curve:" line; a one-row step 6.5 ms); 100 rows from
 # an earlier `--ks 0,99` (past 64 rows a step leaves the C++ decode layers). Before the prefetch,
 # 4 rows were 1.59 and 8 rows 2.22: the prefetch made a plain step cheaper but a few verification
-# rows cheaper still.
+# rows cheaper still. With the float16 KV cache (2026-12-06) the same command printed (2, 1.17),
+# (4, 1.43), (8, 2.08), (16, 3.89), (32, 6.42), (64, 12.16) (a plain step 6.1 ms); pricing drafts by
+# that curve did no better in the spec bench (`-o columns=off,suffix -o groups=agent_b1,chat_b1
+# --steps 3`, two runs each, alternating: agent 1.43x and 1.33x against 1.46x and 1.42x with these
+# points), so these stay.
 DEFAULT_STEP_COST = StepCost((
     (1, 1.0), (2, 1.19), (4, 1.36), (6, 1.82), (8, 1.94), (12, 2.68), (16, 3.33), (20, 4.10), (24, 4.55),
     (32, 5.55), (40, 7.06), (48, 7.70), (64, 10.77), (100, 14.76),
