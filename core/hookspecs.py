@@ -244,9 +244,11 @@ def loopstack_kv_cache(engine_config: Any) -> KVCacheOptions | None:
 
 @hookspec(firstresult=True)
 def loopstack_kv_retention(request: RetentionRequest, ctx: RequestContext) -> Retention | None:
-    """How long this request's prompt prefix stays pinned in the engine's KV cache once computed:
-    a :class:`~loopstack.engine.cache_options.Retention`, or None (the eviction policy decides).
-    Called once per request an embedded engine serves. Stops at first non-None result."""
+    """How long this request's prompt prefix stays pinned in the engine's KV cache once computed,
+    and whether its answer can end its session (``Retention.final_unless``: the eviction policy is
+    told when it did): a :class:`~loopstack.engine.cache_options.Retention`, or None (the eviction
+    policy decides alone). Called once per request an embedded engine serves. Stops at first
+    non-None result."""
 
 
 @hookspec

@@ -37,6 +37,8 @@ def kv_cache_gauges(stats: BlockManagerStatistics, replica: str) -> list[Gauge]:
                             {**r, "reason": reason}, float(value)))
     gauges += [
         Gauge(f"{_P}pins", "live pins", r, float(stats.num_pins)),
+        Gauge(f"{_P}final_sequences_total", "requests freed as the end of their session (an answer with no tool call)",
+              r, float(stats.num_final_frees)),
         Gauge(f"{_P}tier_total", "second-tier copies", {**r, "op": "save"}, float(stats.num_tier_saves)),
         Gauge(f"{_P}tier_total", "second-tier copies", {**r, "op": "load"}, float(stats.num_tier_loads)),
         Gauge(f"{_P}tier_hit_tokens_total", "prompt tokens loaded back from the second tier", r,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from loopstack.api.conversation import items_to_messages, normalize_tools, render_prompt
+from loopstack.api.tool_calls.grammar import TOOL_CALL_OPEN
 from loopstack.engine.cache_options import Retention, RetentionRequest
 
 if TYPE_CHECKING:
@@ -59,5 +60,7 @@ def retention_for(prepared: Prepared, tokenizer: Any, ctx: RequestContext | None
         prompt_cache_retention=request.prompt_cache_retention,
         prompt_cache_ttl_s=PROMPT_CACHE_TTLS.get(ttl) if ttl else None,
         static_prefix_tokens=lambda: static_prefix_tokens(prepared, tokenizer),
+        # an agent request (it offers tools) answered without a call ends the agent's task
+        tool_call_markers=(TOOL_CALL_OPEN,) if prepared.tool_names or prepared.search is not None else (),
     )
     return ctx.hooks.kv_retention(ask, ctx)

@@ -304,14 +304,19 @@ class BlockManager:
         seq.num_tokens = num_tokens
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
-    def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence; its cache entries stay cached, its other blocks become free."""
+    def free(self, seq_id: Hashable, *, final: bool = False) -> None:
+        """Drop the sequence; its cache entries stay cached, its other blocks become free.
+
+        ``final``: the caller knows the sequence ended its session (an agent's answer with no tool
+        call), so the blocks it alone held are not expected back; the policy is told
+        (:attr:`BlockUse.final`) and may evict them first."""
         seq = self._get(seq_id)
         self._keep_tail(seq)
         # tail first: the least reusable part of a prefix is then evicted first
         self._num_releases += 1
+        self._counts["final_frees"] += final
         for block_id in reversed(seq.block_table):
-            self._release(block_id, cold=seq.cold)
+            self._release(block_id, cold=seq.cold, final=final)
         del self._seqs[seq_id]
 
     def reset_prefix_cache(self) -> int:
@@ -515,6 +520,7 @@ class BlockManager:
             num_tier_blocks=len(self._tier_index),
             num_partial_hit_tokens=counts["partial_hit_tokens"],
             num_tail_blocks=self._num_tails,
+            num_final_frees=counts["final_frees"],
             tokens_by_policy=tuple((name, counts[f"{name}:queried_tokens"], counts[f"{name}:hit_tokens"])
                                    for name in self._policies_used),
         )
@@ -676,7 +682,7 @@ class BlockManager:
             self._publish(BlockRemoved(block_hashes=tuple(evicted_hashes)))
         return block_ids
 
-    def _release(self, block_id: int, *, cold: bool = False) -> None:
+    def _release(self, block_id: int, *, cold: bool = False, final: bool = False) -> None:
         block = self._blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0 and block.block_hash is None and not block.tail:
@@ -684,11 +690,11 @@ class BlockManager:
         elif block.ref_count == 0 and block.pins:
             self._pinned_idle.add(block_id)
         elif block.ref_count == 0:
-            self._policy.insert(block_id, self._use(block, cold=cold))
+            self._policy.insert(block_id, self._use(block, cold=cold, final=final))
 
-    def _use(self, block: _Block, *, cold: bool = False) -> BlockUse:
+    def _use(self, block: _Block, *, cold: bool = False, final: bool = False) -> BlockUse:
         return BlockUse(hits=block.hits, depth=block.depth, cold=cold, block_hash=block.block_hash,
-                        release=self._num_releases)
+                        release=self._num_releases, final=final)
 
     def _unregister(self, block: _Block) -> bytes:
         block_hash = block.block_hash

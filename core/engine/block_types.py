@@ -131,6 +131,7 @@ class BlockManagerStatistics(NamedTuple):
     num_tier_blocks: int = 0  # entries in the second tier now
     num_partial_hit_tokens: int = 0  # hit tokens copied from a cached block's first slots (copy-on-write)
     num_tail_blocks: int = 0  # cached partial last blocks of finished sequences (evictable)
+    num_final_frees: int = 0  # sequences freed as final: they ended their session (BlockManager.free)
     tokens_by_policy: tuple[tuple[str, int, int], ...] = ()  # (policy, queried tokens, hit tokens) while it ran
 
     @property

@@ -4,7 +4,8 @@ pickle to replica processes).
 :class:`KVCacheOptions` is engine-wide (the ``kv_cache`` plugin answers ``loopstack_kv_cache`` with
 one; the policy and the pin share switch while serving, the tier and the request log at start).
 :class:`Retention` is per request (``loopstack_kv_retention``): pin the first ``num_tokens`` of its
-prompt for ``ttl_s`` seconds once they are computed.
+prompt for ``ttl_s`` seconds once they are computed, and say when the request ends its session (an
+agent's answer with no tool call: ``final_unless``), so the eviction policy can let its blocks go first.
 """
 
 from __future__ import annotations
@@ -29,9 +30,16 @@ class KVCacheOptions:
 
 @dataclass(frozen=True)
 class Retention:
-    ttl_s: float
+    ttl_s: float  # how long to pin (0: no pin)
     num_tokens: int | None = None  # None: the whole prompt
     key: str | None = None  # pins under one key replace each other (a prompt_cache_key)
+    # the request ends its session if it stops with none of these in its output (the tool-call
+    # opener of an agent request: an answer without a call ends the agent's task); None: never
+    final_unless: tuple[str, ...] | None = None
+
+    def ends_session(self, output_text: str) -> bool:
+        """Whether an output that stopped normally ends the request's session (see ``final_unless``)."""
+        return self.final_unless is not None and not any(marker in output_text for marker in self.final_unless)
 
 
 @dataclass(frozen=True)
@@ -43,3 +51,5 @@ class RetentionRequest:
     prompt_cache_retention: str | None  # "in_memory" or "24h" (a maximum retention), as the Responses API has it
     prompt_cache_ttl_s: float | None  # prompt_cache_options.ttl in seconds (a minimum lifetime): "30m", "12h"
     static_prefix_tokens: Callable[[], int]  # tokens of the system prompt and tools before the first turn
+    # what starts a tool call in this request's output (empty: it offers no tools, so no answer is final)
+    tool_call_markers: tuple[str, ...] = ()

@@ -18,6 +18,9 @@ class BlockUse:
     block_hash: bytes | None = None  # its content's chained hash (what an oracle or a ghost list keys on)
     # sequences freed so far when it was released: a logical clock (a sequence's blocks share a tick)
     release: int = 0
+    # the sequence that released it was final: its output ended an agent's session (an answer with
+    # no tool call), so nothing of it is expected back; a hint from the API, not a certainty
+    final: bool = False
 
 
 class EvictionPolicy(Protocol):

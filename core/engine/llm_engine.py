@@ -421,22 +421,29 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         handoff = seq.finish_reason is FinishReason.HANDOFF
+        final = self._ends_session(seq)
         if not handoff:
-            self._retire(seq)
-        self.scheduler.finish(seq, keep_blocks=handoff)
+            self._retire(seq, final=final)
+        self.scheduler.finish(seq, keep_blocks=handoff, final=final)
         if handoff:
             self._held[seq.request_id] = seq
         self.speculator.detach(seq)
         self._seqs.pop(seq.request_id, None)
         self._capturing.discard(seq.request_id)
 
-    def _retire(self, seq: Sequence) -> None:
+    @staticmethod
+    def _ends_session(seq: Sequence) -> bool:
+        """A normal stop whose output its retention calls final (an agent's answer, no tool call)."""
+        return (seq.finish_reason is FinishReason.STOP and seq.retention is not None
+                and seq.retention.ends_session(seq.output_text))
+
+    def _retire(self, seq: Sequence, *, final: bool = False) -> None:
         """Before a sequence's blocks go: pin what its retention asks for, write its log row."""
         request_id = seq.request_id
         if request_id not in self.block_manager:
             return
         pinned = 0
-        if seq.retention is not None:
+        if seq.retention is not None and seq.retention.ttl_s > 0:
             limit = len(seq.prompt_token_ids) if seq.retention.num_tokens is None else seq.retention.num_tokens
             pinned = self.block_manager.pin(request_id, ttl_s=seq.retention.ttl_s, num_tokens=limit,
                                             key=seq.retention.key) * self.block_manager.block_size
@@ -448,6 +455,7 @@ class LLMEngine:
                 arrival_s=epoch - (now - seq.arrival_time), finish_s=epoch, prompt_token_ids=seq.prompt_token_ids,
                 computed_token_ids=computed, salt=seq.salt.encode(), cached_tokens=seq.num_cached_prompt_tokens,
                 pin_tokens=pinned, pin_ttl_s=seq.retention.ttl_s if pinned and seq.retention else 0.0,
+                final=final,
             )
 
     def configure_kv_cache(self, options: KVCacheOptions) -> None:

@@ -9,7 +9,8 @@ A row (a superset of the Mooncake trace's rows, so the same reader takes both)::
      "sequence_hash_ids": [...],     # one per FULL block of the computed sequence (prompt + output), what
                                      # the engine cached when it finished: a next turn's prompt hits these
      "cached_tokens": 800,           # prompt tokens the engine served from its cache
-     "pin_tokens": 0, "pin_ttl_s": 0.0}
+     "pin_tokens": 0, "pin_ttl_s": 0.0,
+     "final": false}                 # it ended its session (BlockManager.free's hint to the policy)
 
 Hash ids are the first 8 bytes of the engine's chained block hashes (tenant salt mixed into the first
 block, so tenants never share ids), as unsigned integers: restart-stable, no text recoverable. Rows
@@ -52,7 +53,7 @@ class RequestLog:
 
     def record(
         self, *, arrival_s: float, finish_s: float, prompt_token_ids: Sequence[int], computed_token_ids: Sequence[int],
-        salt: bytes, cached_tokens: int, pin_tokens: int = 0, pin_ttl_s: float = 0.0,
+        salt: bytes, cached_tokens: int, pin_tokens: int = 0, pin_ttl_s: float = 0.0, final: bool = False,
     ) -> None:
         """One finished request; ``computed_token_ids``: prompt and output tokens whose KV was written."""
         row = {
@@ -66,6 +67,7 @@ class RequestLog:
             "cached_tokens": cached_tokens,
             "pin_tokens": pin_tokens,
             "pin_ttl_s": pin_ttl_s,
+            "final": final,
         }
         line = json.dumps(row, separators=(",", ":")) + "\n"
         with self._lock:

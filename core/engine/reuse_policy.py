@@ -46,9 +46,10 @@ __all__ = ["ReusePolicy"]
 class _Kind(IntEnum):
     """Where a member sits; on equal predictions the lower kind is evicted first."""
 
-    FIRST = 0
-    OVERDUE = 1
-    DUE = 2
+    FINAL = 0
+    FIRST = 1
+    OVERDUE = 2
+    DUE = 3
 
 
 @dataclass(slots=True)
@@ -77,7 +78,7 @@ class ReusePolicy:
     def __init__(self, num_blocks: int = 0, *, history_factor: int = 4, step: float = 1.0) -> None:
         self.step = step
         self.offset = 0.0  # D: how much later than an overdue block a first-seen one is predicted back
-        self.ghost_hits = {"first_seen": 0, "with_interval": 0}  # misses on blocks evicted as each
+        self.ghost_hits = {"first_seen": 0, "with_interval": 0, "final": 0}  # misses on blocks evicted as each
         self._max_history = max(history_factor * num_blocks, 4096)
         self._history: OrderedDict[bytes, _Seen] = OrderedDict()
         self._now = 0
@@ -87,6 +88,7 @@ class ReusePolicy:
         self._due: list[tuple[int, int, int, int]] = []  # (-(last + interval), -depth, insertion, id)
         self._due_by_time: list[tuple[int, int, int]] = []  # (last + interval, insertion, id)
         self._overdue: list[tuple[int, int, int, int]] = []  # (last, -depth, insertion, id)
+        self._final: list[tuple[int, int, int, int]] = []  # (last, -depth, insertion, id)
 
     # -- the protocol ------------------------------------------------------------------------------
 
@@ -94,10 +96,12 @@ class ReusePolicy:
         self._now = now = max(self._now, use.release)
         interval = self._learn(use, now)
         insertion = next(self._insertions)
-        kind = _Kind.FIRST if interval is None else _Kind.DUE
+        kind = _Kind.FINAL if use.final else _Kind.FIRST if interval is None else _Kind.DUE
         member = _Member(insertion, kind, now, use.depth, interval or 0, use.cold, use.block_hash)
         self._members[block_id] = member
-        if interval is None:
+        if kind is _Kind.FINAL:
+            heapq.heappush(self._final, (now, -use.depth, insertion, block_id))
+        elif interval is None:
             heapq.heappush(self._first, (not use.cold, now, -use.depth, insertion, block_id))
         else:
             heapq.heappush(self._due, (-(now + interval), -use.depth, insertion, block_id))
@@ -114,8 +118,11 @@ class ReusePolicy:
         first = self._top(self._first, _Kind.FIRST, 3, 4)
         overdue = self._top(self._overdue, _Kind.OVERDUE, 2, 3)
         due = self._top(self._due, _Kind.DUE, 2, 3)
+        final = self._top(self._final, _Kind.FINAL, 2, 3)
         # (predicted next use, -kind, heap, block id): the largest wins, ties to the lower kind
         candidates: list[tuple[float, int, list[Any], int]] = []
+        if final is not None:
+            candidates.append((float("inf"), -_Kind.FINAL, self._final, final[3]))
         if first is not None:
             predicted = 2 * now - first[1] + self.offset if first[0] else float("inf")
             candidates.append((predicted, -_Kind.FIRST, self._first, first[4]))
@@ -168,7 +175,9 @@ class ReusePolicy:
         return interval
 
     def _ghost_hit(self, evicted_as: _Kind) -> None:
-        if evicted_as is _Kind.FIRST:
+        if evicted_as is _Kind.FINAL:  # a session that was thought done came back: nothing to learn for D
+            self.ghost_hits["final"] += 1
+        elif evicted_as is _Kind.FIRST:
             self.ghost_hits["first_seen"] += 1
             self.offset = max(0.0, self.offset - self.step)
         else:
@@ -179,7 +188,7 @@ class ReusePolicy:
         member = self._members.pop(block_id)
         seen = self._history.get(member.block_hash) if member.block_hash is not None else None
         if seen is not None:
-            seen.evicted_as = _Kind.FIRST if member.kind is _Kind.FIRST else _Kind.DUE
+            seen.evicted_as = member.kind if member.kind in (_Kind.FINAL, _Kind.FIRST) else _Kind.DUE
 
     def _mark_overdue(self, now: int) -> None:
         """Move every due member whose predicted time has passed to the overdue heap."""
@@ -202,6 +211,8 @@ class ReusePolicy:
 
     def _predicted(self, member: _Member, now: int) -> float:
         kind = self._rank(member, now)
+        if kind is _Kind.FINAL:
+            return float("inf")
         if kind is _Kind.FIRST:
             return 2 * now - member.last + self.offset if not member.cold else float("inf")
         if kind is _Kind.OVERDUE:
@@ -219,7 +230,7 @@ class ReusePolicy:
         return member.kind
 
     def _num_entries(self) -> int:
-        return len(self._first) + len(self._due) + len(self._due_by_time) + len(self._overdue)
+        return len(self._first) + len(self._due) + len(self._due_by_time) + len(self._overdue) + len(self._final)
 
     def _compact(self) -> None:
         members = self._members
@@ -232,6 +243,8 @@ class ReusePolicy:
         self._due = [e for e in self._due if live(e, 2, 3, _Kind.DUE)]
         self._due_by_time = [e for e in self._due_by_time if live(e, 1, 2, _Kind.DUE)]
         self._overdue = [e for e in self._overdue if live(e, 2, 3, _Kind.OVERDUE)]
+        self._final = [e for e in self._final if live(e, 2, 3, _Kind.FINAL)]
+        heapq.heapify(self._final)
         heapq.heapify(self._first)
         heapq.heapify(self._due)
         heapq.heapify(self._due_by_time)

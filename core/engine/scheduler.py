@@ -166,15 +166,16 @@ class Scheduler:
         self._num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, *, keep_blocks: bool = False) -> None:
+    def finish(self, seq: Sequence, *, keep_blocks: bool = False, final: bool = False) -> None:
         """Remove a finished or aborted sequence and release its blocks (``keep_blocks``: they stay
-        allocated under its id, for a KV transfer; the caller frees them)."""
+        allocated under its id, for a KV transfer; the caller frees them; ``final``: it ended its
+        session, see :meth:`BlockManager.free`)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         if not keep_blocks and seq.request_id in self.block_manager:
-            self.block_manager.free(seq.request_id)
+            self.block_manager.free(seq.request_id, final=final)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(len(self.waiting), len(self.running), self._num_preemptions)

@@ -27,6 +27,10 @@ class KVCacheConfig(PluginConfig):
     extended_retention_s: float = Field(
         86_400.0, gt=0, description='what prompt_cache_retention="24h" pins a whole prompt for'
     )
+    final_answers_first: bool = Field(
+        True, description="an agent request (one offering tools) answered without a tool call ended its session:"
+        " tell the eviction policy, so `reuse` lets its blocks go first"
+    )
     tier: Literal["none", "int8", "host"] = Field(
         "none", description="second tier behind the KV cache: int8 K/V in host memory (CPU), host memory (GPU)"
     )

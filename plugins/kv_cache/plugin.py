@@ -6,11 +6,15 @@ asks to a pin the engine takes when the request ends: ``prompt_cache_options.ttl
 a minimum lifetime) or ``prompt_cache_retention="24h"`` pin the whole prompt under its
 ``prompt_cache_key`` (so a session's next turn replaces its last pin); otherwise
 ``pin_static_prefix`` pins the system prompt and tools for ``pin_ttl_s``. Pins stay within
-``max_pinned_share`` of the cache. The block manager does the rest (:mod:`loopstack.engine.block_manager`).
+``max_pinned_share`` of the cache. With ``final_answers_first``, an agent request (one offering tools)
+also carries what a tool call starts with, so the engine knows when its answer, with no call, ended
+the agent's task; ``reuse`` then evicts that session's blocks before any other's. The block manager
+does the rest (:mod:`loopstack.engine.block_manager`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from loopstack.context import RequestContext
@@ -44,6 +48,12 @@ class KVCache(Plugin):
 
     @hookimpl
     def loopstack_kv_retention(self, request: RetentionRequest, ctx: RequestContext) -> Retention | None:
+        retention = self._pin(request)
+        if not (self.config.final_answers_first and request.tool_call_markers):
+            return retention
+        return replace(retention or Retention(0.0), final_unless=request.tool_call_markers)
+
+    def _pin(self, request: RetentionRequest) -> Retention | None:
         if request.prompt_cache_ttl_s is not None:  # prompt_cache_options.ttl: a minimum lifetime
             return Retention(request.prompt_cache_ttl_s, None, request.prompt_cache_key)
         if request.prompt_cache_retention == EXTENDED_RETENTION:

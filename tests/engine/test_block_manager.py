@@ -536,7 +536,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.bm.free(seq_id)
+        self.bm.free(seq_id, final=data.draw(st.booleans()))  # final: the session ended (BlockUse.final)
         del self.tokens[seq_id], self.salts[seq_id], self.computed[seq_id]
 
     @rule()

@@ -351,4 +351,29 @@ def test_request_log_rows_replay_the_engine_hits(tmp_path) -> None:
     assert rows[0]["sequence_hash_ids"] == rows[0]["hash_ids"]
     assert rows[0]["finish_ms"] >= rows[0]["timestamp"]
     assert set(rows[0]) == {"timestamp", "finish_ms", "input_length", "output_length", "block_size", "hash_ids",
-                            "sequence_hash_ids", "cached_tokens", "pin_tokens", "pin_ttl_s"}  # no text, no token ids
+                            "sequence_hash_ids", "cached_tokens", "pin_tokens", "pin_ttl_s", "final"}  # no text, no token ids
+
+
+def _stopped(engine, tokens: list[int], request_id: str, retention: Retention, stop_token: int):
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop_token,))
+    seq = engine.add_request(request_id, tokens, params, retention=retention)
+    while not seq.is_finished:
+        engine.step()
+    return seq
+
+
+def test_an_answer_without_a_tool_call_frees_its_blocks_as_final_and_its_log_row_says_so(tmp_path) -> None:
+    import json
+
+    log = tmp_path / "requests.jsonl"
+    engine = make_engine(num_kv_blocks=40, block_size=4, kv_cache=KVCacheOptions(policy="reuse", request_log=str(log)))
+    tokens = list(range(10, 30))
+    stop_token = _greedy(engine, tokens, "learn")[2]  # ends at max_tokens: never final
+    answer = _stopped(engine, tokens, "answer", Retention(0.0, final_unless=("<tool_call>",)), stop_token)
+    assert answer.output_text and "<tool_call>" not in answer.output_text
+    # the same output, where it holds what a tool call starts with: the session goes on
+    _stopped(engine, tokens, "call", Retention(0.0, final_unless=(answer.output_text,)), stop_token)
+    _greedy(engine, tokens, "length", retention=Retention(0.0, final_unless=("<tool_call>",)))  # cut short
+    engine.close()
+    assert engine.block_manager.statistics().num_final_frees == 1
+    assert [json.loads(line)["final"] for line in log.read_text().splitlines()] == [False, True, False, False]

@@ -14,8 +14,8 @@ from loopstack.engine.eviction import BlockUse, ReusePolicy
 from tests.engine.test_kv_cache_management import prompt, run
 
 
-def use(name: str, release: int, *, depth: int = 0, cold: bool = False) -> BlockUse:
-    return BlockUse(hits=0, depth=depth, cold=cold, block_hash=name.encode(), release=release)
+def use(name: str, release: int, *, depth: int = 0, cold: bool = False, final: bool = False) -> BlockUse:
+    return BlockUse(hits=0, depth=depth, cold=cold, block_hash=name.encode(), release=release, final=final)
 
 
 def released(policy: ReusePolicy, block_id: int, name: str, *releases: int) -> None:
@@ -66,14 +66,48 @@ def test_ghost_hits_move_the_first_seen_offset() -> None:
     assert policy.pop_victim() == 2
     policy.insert(2, use("b", 5))  # a miss on a first-seen block
     assert policy.offset == 0.0  # back: first-seen blocks wait longer again (never below 0)
-    assert policy.ghost_hits == {"first_seen": 1, "with_interval": 1}
+    assert policy.ghost_hits == {"first_seen": 1, "with_interval": 1, "final": 0}
+
+
+def test_blocks_of_a_session_that_ended_go_before_every_other_oldest_first() -> None:
+    policy = ReusePolicy(8)
+    policy.insert(1, use("scan", 1, cold=True))  # a one-off
+    released(policy, 2, "done-0", 1, 2)  # an ended session's blocks, with intervals ...
+    released(policy, 3, "done-1", 1, 2)
+    policy.remove(2)
+    policy.remove(3)
+    policy.insert(3, use("done-1", 5, depth=1, final=True))  # ... released by its last request, tail first
+    policy.insert(2, use("done-0", 5, depth=0, final=True))
+    policy.insert(4, use("other-done", 6, final=True))
+    released(policy, 5, "live", 1, 5)  # a session between turns
+    assert policy.order() == (3, 2, 4, 1, 5)
+    assert [policy.pop_victim() for _ in range(5)] == [3, 2, 4, 1, 5]
+
+
+def test_a_block_an_ended_session_shares_with_a_live_one_is_predicted_again_when_the_live_one_releases_it() -> None:
+    policy = ReusePolicy(8)
+    policy.insert(1, use("system", 1, final=True))  # the shared system prompt, last released by a final request
+    policy.remove(1)  # the next session hits it
+    policy.insert(1, use("system", 2))  # and releases it: due again, by its interval
+    policy.insert(2, use("done", 2, final=True))
+    assert [policy.pop_victim(), policy.pop_victim()] == [2, 1]
+
+
+def test_a_session_that_comes_back_after_its_final_answer_is_counted_and_leaves_the_offset() -> None:
+    policy = ReusePolicy(8)
+    policy.insert(1, use("a", 1, final=True))
+    assert policy.pop_victim() == 1
+    policy.insert(1, use("a", 3))  # computed again: the hint was wrong (a user's follow-up)
+    assert policy.ghost_hits == {"first_seen": 0, "with_interval": 0, "final": 1}
+    assert policy.offset == 0.0
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["insert", "remove", "pop", "tick"]), st.integers(0, 7), st.integers(0, 3), st.booleans()
+            st.sampled_from(["insert", "final", "remove", "pop", "tick"]), st.integers(0, 7), st.integers(0, 3),
+            st.booleans(),
         ),
         max_size=80,
     )
@@ -84,8 +118,8 @@ def test_the_heaps_evict_in_the_order_the_predictions_define(ops: list[tuple[str
     for op, block_id, depth, cold in ops:
         if op == "tick":
             tick += 1 + depth
-        elif op == "insert" and block_id not in policy:
-            policy.insert(block_id, use(f"h{block_id}", tick, depth=depth, cold=cold))
+        elif op in ("insert", "final") and block_id not in policy:
+            policy.insert(block_id, use(f"h{block_id}", tick, depth=depth, cold=cold, final=op == "final"))
         elif op == "remove" and block_id in policy:
             policy.remove(block_id)
         elif op == "pop" and len(policy):

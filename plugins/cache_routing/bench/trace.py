@@ -18,6 +18,8 @@ MOONCAKE_TRACE = Path("traces") / "mooncake_conversation_trace.jsonl"
 # routing weights were not chosen on)
 AGENT_TRACE = Path("trajectories") / "swebench_minisweagent" / "per_turn_usage.jsonl"
 MOONCAKE_BLOCK_TOKENS = 512
+# mini-swe-agent's last command: the model's output that ends its session
+SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    # the output ended its agent session (the submit command; in a tool-calling agent, an answer
+    # with no tool call): what a server sees when the request finishes
+    final: bool = False
 
 
 def load_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
@@ -65,7 +70,8 @@ def load_agent_trace(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, l
             try:
                 row = json.loads(line)
                 rows.append((float(row["created"]), str(row["instance_id"]), int(row["turn"]),
-                             int(row["prompt_tokens"]), int(row["completion_tokens"])))
+                             int(row["prompt_tokens"]), int(row["completion_tokens"]),
+                             SUBMIT_MARKER in str(row.get("command") or "")))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a usage row ({exc})") from None
     rows.sort(key=lambda row: (row[0], row[1], row[2]))
@@ -77,8 +83,8 @@ def load_agent_trace(path: Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, l
 
     requests = []
     start = rows[0][0] if rows else 0.0
-    for created, session, _, prompt_tokens, completion_tokens in rows[:limit]:
+    for created, session, _, prompt_tokens, completion_tokens, final in rows[:limit]:
         num_blocks = max(1, -(-prompt_tokens // block_tokens))
         requests.append(TraceRequest(created - start, prompt_tokens, max(1, completion_tokens),
-                                     tuple(block_id(session, i) for i in range(num_blocks))))
+                                     tuple(block_id(session, i) for i in range(num_blocks)), final))
     return requests

@@ -68,6 +68,7 @@ class ReplayConfig:
     tier_slots: int = 0
     max_pinned_tokens: int | None = None
     honor_pins: bool = True
+    honor_final: bool = True
 
     @property
     def policy_name(self) -> str:
@@ -256,7 +257,7 @@ class _Replay:
             self.counts["dropped"] += 1
         if self.config.honor_pins and request.pin_tokens >= self.size and request.pin_ttl_s > 0:
             self.counts["pins"] += manager.pin(key, ttl_s=request.pin_ttl_s, num_tokens=request.pin_tokens // self.size) > 0
-        manager.free(key)
+        manager.free(key, final=request.final and self.config.honor_final)
         self.running.discard(key)
 
     def result(self) -> ReplayResult:

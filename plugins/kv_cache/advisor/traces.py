@@ -60,6 +60,7 @@ class AdvisorRequest:
     pin_tokens: int = 0
     pin_ttl_s: float = 0.0
     cached_tokens: int | None = None  # what the live engine served from its cache (server logs)
+    final: bool = False  # its output ended its session (BlockManager.free's hint)
 
 
 def detect_format(path: Path) -> str:
@@ -130,7 +131,7 @@ def load_traces(paths: Sequence[str | Path], *, limit: int | None = None) -> lis
 def from_trace_requests(requests: Sequence[TraceRequest], block_size: int) -> list[AdvisorRequest]:
     """The routing bench's trace requests (no finish times, no pins) as advisor requests."""
     return [
-        AdvisorRequest(r.arrival_s, None, r.input_length, r.output_length, block_size, r.hash_ids)
+        AdvisorRequest(r.arrival_s, None, r.input_length, r.output_length, block_size, r.hash_ids, final=r.final)
         for r in requests
     ]
 
@@ -206,10 +207,13 @@ def _log_row(row: dict[str, Any], where: _Where) -> AdvisorRequest:
     if pin_ttl_s < 0:
         raise where.error("pin_ttl_s", f"must be >= 0, got {pin_ttl_s}")
     cached = _integer(row, "cached_tokens", where, minimum=0) if "cached_tokens" in row else None
+    final = row.get("final", False)
+    if not isinstance(final, bool):
+        raise where.error("final", f"expected true or false, got {final!r}")
     return AdvisorRequest(
         arrival_ms / 1000.0, None if finish_ms is None else finish_ms / 1000.0, input_length,
         _integer(row, "output_length", where, minimum=0), block_size, hash_ids, sequence_ids,
-        pin_tokens, float(pin_ttl_s), cached,
+        pin_tokens, float(pin_ttl_s), cached, final,
     )
 
 

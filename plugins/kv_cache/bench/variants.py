@@ -15,16 +15,37 @@ so the bench can show which change wins on which workload before the engine adop
 - ``slru50``: ``slru`` with half the pool protected instead of 80%.
 - ``slru_evictable``: ``slru`` with protected held to 80% of the *evictable* blocks (not of the
   pool): blocks live requests hold cannot starve probation.
+- ``lru_final``: ``lru`` taking the session-end hint (:attr:`BlockUse.final`) as ``reuse`` does:
+  blocks a final request released go first, oldest first. What the hint alone is worth.
+- ``reuse_nohint``: ``reuse`` ignoring that hint (the shipped policy before it had one): what the
+  policy alone is worth.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from loopstack.engine.eviction import POLICIES, BlockUse, EvictionPolicy, FrequencyPolicy, SLRUPolicy
+from loopstack.engine.eviction import (
+    POLICIES,
+    BlockUse,
+    EvictionPolicy,
+    FrequencyPolicy,
+    LRUPolicy,
+    ReusePolicy,
+    SLRUPolicy,
+)
 
-__all__ = ["VARIANTS", "EvictableShareSLRUPolicy", "GreedyDualPolicy", "NamedPolicy", "policy_spec"]
+__all__ = [
+    "VARIANTS",
+    "EvictableShareSLRUPolicy",
+    "FinalFirstLRUPolicy",
+    "GreedyDualPolicy",
+    "HintlessReusePolicy",
+    "NamedPolicy",
+    "policy_spec",
+]
 
 
 class GreedyDualPolicy(FrequencyPolicy):
@@ -73,7 +94,51 @@ class EvictableShareSLRUPolicy(SLRUPolicy):
             self._probation[demoted] = None
 
 
+class FinalFirstLRUPolicy(LRUPolicy):
+    """``lru`` with the blocks of final requests (sessions that ended) evicted first, oldest first."""
+
+    name = "lru_final"
+
+    def __init__(self, num_blocks: int = 0) -> None:
+        super().__init__(num_blocks)
+        self._final: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        (self._final if use.final else self._order)[block_id] = None
+
+    def remove(self, block_id: int) -> None:
+        if block_id in self._final:
+            del self._final[block_id]
+        else:
+            super().remove(block_id)
+
+    def pop_victim(self) -> int:
+        if self._final:
+            return self._final.popitem(last=False)[0]
+        return super().pop_victim()
+
+    def order(self) -> tuple[int, ...]:
+        return tuple(self._final) + super().order()
+
+    def __len__(self) -> int:
+        return len(self._final) + super().__len__()
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._final or super().__contains__(block_id)
+
+
+class HintlessReusePolicy(ReusePolicy):
+    """``reuse`` deaf to the session-end hint: every block is predicted from its past alone."""
+
+    name = "reuse_nohint"
+
+    def insert(self, block_id: int, use: BlockUse) -> None:
+        super().insert(block_id, replace(use, final=False) if use.final else use)
+
+
 VARIANTS: dict[str, NamedPolicy] = {
+    "reuse_nohint": NamedPolicy("reuse_nohint", lambda n: HintlessReusePolicy(n)),
+    "lru_final": NamedPolicy("lru_final", lambda n: FinalFirstLRUPolicy(n)),
     "gd": NamedPolicy("gd", lambda n: GreedyDualPolicy(n, name="gd")),
     "gdsf": NamedPolicy("gdsf", lambda n: GreedyDualPolicy(n, name="gdsf", initial=1)),
     "gdsf4": NamedPolicy("gdsf4", lambda n: GreedyDualPolicy(n, name="gdsf4", initial=1, max_hits=4)),

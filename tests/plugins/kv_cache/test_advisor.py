@@ -74,9 +74,10 @@ def test_a_mooncake_trace_reads_with_times_from_the_first_arrival(tmp_path):
 def test_a_server_request_log_reads_with_finish_times_sequences_and_pins(tmp_path):
     log = RequestLog(tmp_path / "requests.jsonl", block_size=4)
     log.record(arrival_s=1000.0, finish_s=1001.5, prompt_token_ids=list(range(10)), computed_token_ids=list(range(16)),
-               salt=b"", cached_tokens=0, pin_tokens=8, pin_ttl_s=30.0)
+               salt=b"", cached_tokens=0, pin_tokens=8, pin_ttl_s=30.0, final=True)
     log.close()
     (row,) = load_requests(log.path)
+    assert row.final
     assert (row.arrival_s, row.finish_s, row.block_size, row.input_length, row.output_length) == (0.0, 1.5, 4, 10, 7)
     assert len(row.hash_ids) == 3 and len(row.sequence_hash_ids or ()) == 4
     assert row.hash_ids[:2] == row.sequence_hash_ids[:2]  # full prompt blocks are the sequence's first blocks
@@ -93,11 +94,20 @@ def test_agent_trajectories_read_as_growing_chains_behind_one_shared_block(tmp_p
     assert a_turns[2].hash_ids[:3] == a_turns[1].hash_ids
 
 
+def test_the_agents_submit_command_marks_the_request_that_ended_its_session(tmp_path):
+    rows = agent_rows()
+    rows[2]["command"] = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached"
+    rows[4]["command"] = "ls -R"
+    requests = load_requests(write_jsonl(tmp_path / "per_turn_usage.jsonl", rows))
+    assert [r.final for r in requests] == [False, False, False, False, True, False]  # a's last turn, at 120 s
+
+
 @pytest.mark.parametrize(("row", "field"), [
     ({"timestamp": 0, "input_length": "many", "output_length": 1, "hash_ids": [0]}, "input_length"),
     ({"timestamp": 0, "input_length": 5, "output_length": 1}, "hash_ids"),
     ({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0, -1]}, "hash_ids"),
     ({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "block_size": 0}, "block_size"),
+    ({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0], "block_size": 16, "final": "yes"}, "final"),
 ])
 def test_a_bad_row_names_the_file_the_line_and_the_field(tmp_path, row, field):
     good = {"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}
@@ -151,6 +161,16 @@ def test_block_sizes_other_than_the_traces_map_to_units(block_size, hit_tokens):
     length = 4 * G + 100  # 5 trace blocks, the last partial; the two prompts differ from the fourth on
     trace = [request(0.0, [0, 1, 2, 3, 4], length), request(100.0, [0, 1, 2, 8, 9], length)]
     assert replay(trace, ReplayConfig(block_size, 64 * G)).num_hit_tokens == hit_tokens
+
+
+def test_reuse_lets_a_session_that_ended_go_before_one_between_turns():
+    between = [0, 4, 5, 6]  # a session whose next turn comes after the others
+    requests = [request(0.0, between), request(10.0, [0, 1, 2, 3], final=True), request(20.0, [7, 8, 9]),
+                request(30.0, [*between, 10])]
+    told, deaf = (replay(requests, ReplayConfig(G, 7 * G, "reuse", honor_final=honor)) for honor in (True, False))
+    assert told.num_hit_tokens == 5 * G  # the shared block, then the whole returning turn
+    assert deaf.num_hit_tokens == 2 * G  # blind, the newer session stayed and the returning one was evicted
+    assert replay(requests, ReplayConfig(G, 7 * G, "lru")).num_hit_tokens == 2 * G  # lru ignores the hint
 
 
 def test_a_capacity_too_small_thrashes_under_lru():

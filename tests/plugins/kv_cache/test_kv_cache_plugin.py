@@ -71,7 +71,15 @@ def test_policy_pins_retention_fields_reload_and_request_log(tmp_path, write_sta
         bad = post(thread.url, input="Hi", prompt_cache_retention="7d")
         assert bad.status_code == 400 and "prompt_cache_retention" in bad.text
 
+        # an agent request (it offers a tool) answered without a call: its session ended
+        tool = {"type": "function", "name": "get_weather", "description": "Get the weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+        answer = post(thread.url, input="Say hello.", tools=[tool], tool_choice="none", max_output_tokens=64).json()
+        assert answer["status"] == "completed" and [i["type"] for i in answer["output"]] == ["message"], answer
+        assert block_manager.statistics().num_final_frees == 1  # and only that one: no other offered tools
+
         metrics = httpx.get(f"{thread.url}/metrics", timeout=30).text
+        assert 'loopstack_kv_cache_final_sequences_total{replica="0"} 1' in metrics
         assert 'loopstack_kv_cache_hit_tokens_total{replica="0",policy="slru"}' in metrics
         assert 'loopstack_kv_cache_blocks{replica="0",state="pinned"}' in metrics
         assert 'loopstack_kv_cache_evictions_total{replica="0",reason="capacity"}' in metrics
@@ -87,6 +95,7 @@ def test_policy_pins_retention_fields_reload_and_request_log(tmp_path, write_sta
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(rows) >= 10 and all(row["block_size"] == 16 for row in rows)
     assert rows[0]["pin_tokens"] > 0 and rows[0]["pin_ttl_s"] == 600.0
+    assert sum(row["final"] for row in rows) == 1
 
 
 def test_loopstack_kv_retention_maps_the_request_fields_and_the_static_prefix() -> None:
@@ -104,3 +113,23 @@ def test_loopstack_kv_retention_maps_the_request_fields_and_the_static_prefix() 
     assert plugin.loopstack_kv_retention(ask(static=0), None) is None
     quiet = KVCache(KVCacheConfig(pin_static_prefix=False))
     assert quiet.loopstack_kv_retention(ask(static=48), None) is None
+
+
+def test_an_agent_request_carries_what_makes_its_answer_final() -> None:
+    from loopstack.engine.cache_options import Retention, RetentionRequest
+    from loopstack.plugins.kv_cache.config import KVCacheConfig
+    from loopstack.plugins.kv_cache.plugin import KVCache
+
+    def ask(ttl=None, static=0, markers=("<tool_call>",)):
+        return RetentionRequest(100, "s1", None, ttl, lambda: static, markers)
+
+    plugin = KVCache(KVCacheConfig(pin_ttl_s=60.0))
+    assert plugin.loopstack_kv_retention(ask(), None) == Retention(0.0, final_unless=("<tool_call>",))
+    assert plugin.loopstack_kv_retention(ask(static=48), None) == Retention(60.0, 48, final_unless=("<tool_call>",))
+    assert plugin.loopstack_kv_retention(ask(ttl=1800.0), None) == Retention(1800.0, None, "s1", ("<tool_call>",))
+    assert plugin.loopstack_kv_retention(ask(markers=()), None) is None  # no tools: a chat, never final
+    deaf = KVCache(KVCacheConfig(final_answers_first=False))
+    assert deaf.loopstack_kv_retention(ask(), None) is None
+    assert Retention(0.0, final_unless=("<tool_call>",)).ends_session("Paris.")
+    assert not Retention(0.0, final_unless=("<tool_call>",)).ends_session('<tool_call>{"name": "f"}</tool_call>')
+    assert not Retention(60.0).ends_session("Paris.")
