@@ -26,7 +26,8 @@ Four policies, each O(log n) or better per block:
 - ``reuse`` (:mod:`loopstack.engine.reuse_policy`, the ``kv_cache`` plugin's default): the block whose
   predicted next use is farthest, from its own reuse interval on a clock of sequences freed (Belady's
   rule, online). Sessions taking turns through a cache too small for all of them keep the ones that
-  come back soonest, where LRU evicts the one that comes next. Four heaps, O(log n).
+  come back soonest, where LRU evicts the one that comes next; blocks of a session the API saw end
+  (:attr:`BlockUse.final`) go first. Five heaps, O(log n).
 
 Third-party policies implement the same protocol and register in :data:`POLICIES`.
 """

@@ -16,7 +16,11 @@ time from each block's own past, on a logical clock that ticks once per sequence
   again it counts a miss against the class it was evicted as. A miss on a first-seen block lowers
   ``D`` by ``step`` ticks (first-seen blocks then wait longer), a miss on a block with an interval
   raises it. A large cache keeps a conversation's first turn until its second comes; a small one
-  gives first-seen blocks up first.
+  gives first-seen blocks up first;
+- a block released by a *final* sequence (:attr:`BlockUse.final`: its answer ended its session, a
+  hint from the API) is not expected back and goes before every other, the oldest first; a later
+  release by a live sequence (a shared system prompt) predicts it as usual again. Should the hint
+  prove wrong, the miss is counted (``ghost_hits["final"]``) and ``D`` stays.
 
 Agent sessions taking turns through a cache smaller than their histories are LRU's worst case: LRU
 evicts the session that comes next. Predicting each session's return keeps the ones that come back
@@ -25,8 +29,8 @@ first-seen block inheriting its parent's interval was tried: it moved agent sess
 way and cost 9% of the hits behind a cache-aware router on the Mooncake trace, so blocks learn only
 from their own past.)
 
-Each block sits in one of four heaps (first seen, due by prediction, due by overdue time, overdue)
-with lazy deletion: O(log n) per insert and eviction, amortized.
+Each block sits in one of five heaps (final, first seen, due by prediction, due by overdue time,
+overdue) with lazy deletion: O(log n) per insert and eviction, amortized.
 """
 
 from __future__ import annotations
