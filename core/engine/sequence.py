@@ -93,7 +93,7 @@ class Sequence:
     speculation: SequenceSpeculation | None = None  # its state while it runs (see loopstack.engine.speculator)
     speculation_statistics: SpeculationStatistics | None = None  # what its speculation did, once it ended
     prefill_only: bool = False  # end with HANDOFF after the first token, blocks kept (disaggregation)
-    retention: Retention | None = None  # pin its prompt prefix when it ends (see loopstack.engine.cache_options)
+    retention: Retention | None = None  # when it ends: a pin of its prompt prefix, and whether it ended its session
     num_sampling_forwards: int = 0  # forwards that appended tokens to it (sampled one, or verified a draft)
     kept_logits: torch.Tensor | None = None  # admitted with its whole prompt cached: its first token's logits
 
