@@ -3,8 +3,8 @@ and the rest, timed around each part of ``LLMEngine.step`` (greedy, 128 tokens, 
 
     .venv/bin/python scripts/profile_decode_step.py smollm2-135m-instruct --batch 1
 
-The split inside the C++ loop (matmuls against attention) is not visible from here; docs/engine.md
-gives it from a build of q4q8_decode.cpp with timers around its kernels.
+With the q4q8 layer loop, the split inside it (each projection, attention, the norms) comes from
+the extension's own timers (``q4q8_decode_profile``), switched on for the timed steps only.
 """
 
 from __future__ import annotations
@@ -53,14 +53,23 @@ def main() -> None:
     while not all(s.output_token_ids for s in seqs):  # prefill and the first token are not decode
         engine.step()
     totals.clear()
+    kernels = model.native_decoder._ext if model.native_decoder is not None and model.native_decoder.is_q4q8 else None
+    if kernels is not None:
+        kernels.q4q8_decode_profile(True)
     steps, started = 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
         steps += 1
     total = time.perf_counter() - started
+    parts = kernels.q4q8_decode_profile(False) if kernels is not None else []
     print(f"batch {args.batch}: {total * 1e3 / steps:.2f} ms a step, {args.batch * steps / total:.1f} tok/s")
     for key, seconds in totals.items():
         print(f"  {key}: {seconds * 1e3 / steps:.2f} ms a step")
+        if key == "layers (C++)" and parts:
+            names = ("norms + quantizing", "qkv", "rotary + K/V write", "attention", "o", "gate_up",
+                     "SwiGLU + quantizing", "down")
+            for name, part in zip(names, parts):
+                print(f"    {name}: {part * 1e3 / steps:.2f} ms a step")
     print(f"  everything else (embedding, rotary, scheduling, Python): "
           f"{(total - sum(totals.values())) * 1e3 / steps:.2f} ms a step")
 

@@ -213,3 +213,23 @@ def test_long_contexts_split_into_spans_match_attention_and_each_other(head_dim,
     paged = ext.attend_rows(q[4:], kv, in_order, [1030], [1], -1, block_size, scale)
     in_place = ext.attend_rows(q[4:], kv, in_order, [1030], [1], 0, block_size, scale)
     assert torch.equal(paged, in_place)
+
+
+@pytest.mark.skipif(not has_q4q8(), reason="no AVX-512 VNNI here")
+def test_a_float16_cache_holds_the_new_keys_and_values_rounded_to_nearest():
+    """The C++ loop writes a decode step's K/V into a float16 cache as torch's ``.half()`` rounds
+    them (to nearest, ties to even): layer 0's new entries, which no cache read precedes, equal the
+    float32 cache's rounded, bit for bit."""
+    _, native = quantized_pair("q4q8")
+    runners = PagedRunner(native, kv_dtype=torch.float32), PagedRunner(native, kv_dtype=torch.float16)
+    prompts = {"a": [5, 9, 14, 3, 7, 11], "b": [8, 1, 22, 4, 6]}
+    for runner in runners:
+        runner.step(prompts)
+        runner.step({"a": [12], "b": [13]})  # the decode step: the C++ loop
+    for seq, position in (("a", 6), ("b", 5)):
+        table = runners[0].block_tables[seq]
+        block, offset = table[position // 4], position % 4
+        written32 = runners[0].kv_cache[0, :, block, offset]  # [2, Hkv, D]: K and V of layer 0
+        written16 = runners[1].kv_cache[0, :, runners[1].block_tables[seq][position // 4], offset]
+        assert written16.abs().sum() > 0
+        assert torch.equal(written16, written32.half())

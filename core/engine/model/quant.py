@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loopstack.engine.device import cpu_has_fast_bfloat16
-from loopstack.engine.model import extension, int8_dynamic
+from loopstack.engine.model import extension, huge_pages, int8_dynamic
 from loopstack.engine.model.attention import AttentionMetadata
 from loopstack.engine.model.llama import CausalLM
 
@@ -423,7 +423,26 @@ def quantize_model(
     if is_all_bfloat16 and isinstance(model, CausalLM):  # (isinstance again: mypy narrows here only)
         # every projection now computes in bfloat16 on both paths: feed it bfloat16 directly
         model.use_projection_dtype(torch.bfloat16)
+    move_q4q8_weights_to_huge_pages(model)
     return replaced
+
+
+def move_q4q8_weights_to_huge_pages(model: nn.Module) -> int:
+    """Put what the q4q8 kernels stream every decode step (each q4q8 :class:`Int4Linear`'s codes
+    and scales, an :class:`Int8RescoredHead`'s 8-bit codes and scales) side by side in one
+    huge-page arena, in the model's order (see :mod:`~loopstack.engine.model.huge_pages`).
+    Returns the bytes moved (0 where huge pages are off or there is nothing to move)."""
+    linears = [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "q4q8"]
+    heads = [m for m in model.modules() if isinstance(m, Int8RescoredHead) and m.q8 is not None]
+    tensors = [t for m in linears for t in (m.packed, m.scales_and_zeros)] + [t for h in heads for t in h.q8 or ()]
+    copies = huge_pages.huge_page_copies(tensors)
+    if not tensors or copies[0] is tensors[0]:
+        return 0
+    for i, linear in enumerate(linears):
+        linear.packed, linear.scales_and_zeros = copies[2 * i], copies[2 * i + 1]
+    for j, head in enumerate(heads):
+        head.q8 = (copies[2 * len(linears) + 2 * j], copies[2 * len(linears) + 2 * j + 1])
+    return sum(t.numel() * t.element_size() for t in copies)
 
 
 CALIBRATION_TEXT = (

@@ -122,12 +122,16 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden, const at::Tensor& cos, const at
                               int64_t contiguous_start, const std::vector<at::Tensor>& layer_weights,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                               double scale, const std::vector<int64_t>& query_lens);  // q4q8_decode.cpp
+std::vector<double> q4q8_decode_profile(bool enable, bool reset);                     // q4q8_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while they run: the server's event loop streams tokens meanwhile
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("decode_layers", &decode_layers, "the decoder layers of one decode step (see decode_layers.cpp)", no_gil);
   m.def("decode_layers_q4q8", &decode_layers_q4q8, "the same for q4q8 projections (see q4q8_decode.cpp)", no_gil);
+  m.def("q4q8_decode_profile", &q4q8_decode_profile, py::arg("enable"), py::arg("reset") = true,
+        "seconds decode_layers_q4q8 spent per part (norms and quantizing, qkv, rotary and the K/V write, "
+        "attention, o, gate_up, SwiGLU, down) and the calls, since the last reset; enable: keep timing");
   m.def("attend_rows", &attend_rows, "single-query attention of every row over its own context (tests)", no_gil);
   m.def("q4q8_matmul", &q4q8_matmul, "4- or 8-bit weights x rows as two int8 digits (see q4q8_matmul.cpp)",
         no_gil);

@@ -9,6 +9,8 @@
 // were a quarter of a SmolLM2-135M step on 2 cores. See native_decode.py for when it is used.
 #include <torch/extension.h>
 
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <vector>
 #ifdef __AVX512F__
@@ -63,6 +65,18 @@ void rms_norm(const float* x, int64_t batch, int64_t size, const float* scaled_w
   }
 }
 
+// out[i] = x[i] rounded to float16 (to nearest, ties to even: as c10::Half(x[i]) and torch's .to()),
+// sixteen at a time (the scalar conversion was most of a batch-8 step's K/V write)
+void to_half(const float* x, int64_t n, c10::Half* out) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) out[i] = c10::Half(x[i]);
+}
+
 // out[i] = silu(gate[i]) * up[i]
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
@@ -77,7 +91,33 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// Where a decode step's layer loop goes, when asked (q4q8_decode_profile): nanoseconds summed per
+// part over the calls since the last reset. Off by default; on, each part costs two clock reads.
+enum Part { kNorms, kQkv, kRotary, kAttention, kO, kGateUp, kSwiglu, kDown, kParts };
+bool profiling = false;
+std::array<int64_t, kParts> part_ns{};
+int64_t profiled_calls = 0;
+
+struct PartClock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Part part) {
+    if (!profiling) return;
+    const auto now = std::chrono::steady_clock::now();
+    part_ns[part] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+    last = now;
+  }
+};
+
 }  // namespace
+
+std::vector<double> q4q8_decode_profile(bool enable, bool reset) {
+  std::vector<double> seconds(part_ns.begin(), part_ns.end());
+  for (double& s : seconds) s *= 1e-9;
+  seconds.push_back(static_cast<double>(profiled_calls));
+  if (reset) part_ns.fill(0), profiled_calls = 0;
+  profiling = enable;
+  return seconds;
+}
 
 // Arguments as decode_layers (decode_layers.cpp), the projections in q4q8's format: per layer,
 // input norm (scaled weight, eps term), qkv (packed, dm, bias or empty), o (packed, dm), post norm
@@ -119,6 +159,8 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
   std::vector<float> h(batch * size), qkv(batch * qkv_size), attn(batch * num_heads * head_dim), rotated(head_dim);
   std::vector<float> out, gate_up, act;
   QuantizedRows q;
+  PartClock clock;
+  profiled_calls += profiling;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = layer_weights.data() + layer * per_layer;
     const Projection qkv_w = projection(w[2], w[3], &w[4]), o_w = projection(w[5], w[6]);
@@ -129,7 +171,9 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
     // attention
     rms_norm(x, batch, size, w[0].data_ptr<float>(), *w[1].data_ptr<float>(), h.data());
     quantize_rows(h.data(), batch, size, q);
+    clock.lap(kNorms);
     project(q, qkv_w, qkv.data());
+    clock.lap(kQkv);
     const int64_t layer_offset = layer * 2 * num_slots * kv_size;
     for (int64_t r = 0; r < batch; ++r) {
       float* row = qkv.data() + r * qkv_size;
@@ -147,13 +191,14 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
       const float* v_row = row + (num_heads + num_kv_heads) * head_dim;
       const int64_t k_at = layer_offset + slot[r] * kv_size, v_at = k_at + num_slots * kv_size;
       if (half_cache) {
-        for (int64_t i = 0; i < kv_size; ++i) half_cache_data[k_at + i] = c10::Half(k_row[i]);
-        for (int64_t i = 0; i < kv_size; ++i) half_cache_data[v_at + i] = c10::Half(v_row[i]);
+        to_half(k_row, kv_size, half_cache_data + k_at);
+        to_half(v_row, kv_size, half_cache_data + v_at);
       } else {
         std::copy(k_row, k_row + kv_size, cache + k_at);
         std::copy(v_row, v_row + kv_size, cache + v_at);
       }
     }
+    clock.lap(kRotary);
     if (half_cache)
       attend_rows_raw(shape, qkv.data(), qkv_size, half_cache_data + layer_offset,
                       half_cache_data + layer_offset + num_slots * kv_size, tables.data_ptr<int64_t>(), row_seq,
@@ -161,23 +206,30 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
     else
       attend_rows_raw(shape, qkv.data(), qkv_size, cache + layer_offset, cache + layer_offset + num_slots * kv_size,
                       tables.data_ptr<int64_t>(), row_seq, row_context_lens, attn.data());
+    clock.lap(kAttention);
     quantize_rows(attn.data(), batch, num_heads * head_dim, q);
     out.resize(batch * size);
+    clock.lap(kNorms);
     project(q, o_w, out.data());
+    clock.lap(kO);
     for (int64_t i = 0; i < batch * size; ++i) x[i] += out[i];
     // MLP (SwiGLU)
     rms_norm(x, batch, size, w[7].data_ptr<float>(), *w[8].data_ptr<float>(), h.data());
     quantize_rows(h.data(), batch, size, q);
     gate_up.resize(batch * 2 * intermediate);
+    clock.lap(kNorms);
     project(q, gate_up_w, gate_up.data());
+    clock.lap(kGateUp);
     act.resize(batch * intermediate);
     for (int64_t r = 0; r < batch; ++r) {
       const float* row = gate_up.data() + r * 2 * intermediate;
       swiglu(row, row + intermediate, intermediate, act.data() + r * intermediate);
     }
     quantize_rows(act.data(), batch, intermediate, q);
+    clock.lap(kSwiglu);
     project(q, down_w, out.data());
     for (int64_t i = 0; i < batch * size; ++i) x[i] += out[i];
+    clock.lap(kDown);
   }
   return hidden_t;
 }
