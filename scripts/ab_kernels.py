@@ -8,7 +8,8 @@ Both builds are compiled here (about two minutes each, cached by torch afterward
 ``--rounds`` rounds; a round times ``--calls`` calls of one build, then of the other (the order
 alternating), and the table gives each build's median and the median of the per-round ratios
 (new / old: below 1 is faster), the figure to trust on a shared, noisy machine. Attention reads a
-different layer's cache on each call (30 of them), so K/V come from memory, as in a decode step.
+different layer's float16 cache (the engine's under the C++ loop) on each call (30 of them), so K/V come
+from memory, as in a decode step.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def main() -> None:
                                        (8, 512, True), (8, 2048, True)):
             num_blocks = -(-context // block_size)
             num_seqs = 1 if verify else batch
-            caches = [torch.randn(2, num_seqs * num_blocks * block_size, num_kv_heads, head_dim) for _ in range(layers)]
+            # float16, as the engine's cache under the C++ loop (model.kv_cache_dtype)
+            caches = [torch.randn(2, num_seqs * num_blocks * block_size, num_kv_heads, head_dim).half()
+                      for _ in range(layers)]
             tables = torch.arange(num_seqs * num_blocks).view(num_seqs, num_blocks)
             q = torch.randn(batch, num_heads, head_dim)
             lengths = [context - batch + 1 + row for row in range(batch)] if verify else [context - row for row in range(batch)]

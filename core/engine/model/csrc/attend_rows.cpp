@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 float dot(const float* a, const float* b, int64_t n) {
 #ifdef __AVX512F__
@@ -144,7 +143,7 @@ void score_group(const float* queries, const KV* key, int64_t stride, int64_t co
   __m512 q[G][C];
   LS_UNROLL for (int g = 0; g < G; ++g)
     LS_UNROLL for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(queries + g * 16 * C + 16 * c);
-  auto partial = [&](const auto* k_row, int g) LS_INLINE {  // the 16 lanes whose sum is q_g . k
+  auto partial = [&](const KV* k_row, int g) LS_INLINE {  // the 16 lanes whose sum is q_g . k
     __m512 a = _mm512_mul_ps(q[g][0], load16(k_row));
     __m512 b = C > 1 ? _mm512_mul_ps(q[g][1], load16(k_row + 16)) : _mm512_setzero_ps();
     LS_UNROLL for (int c = 2; c < C; c += 2) {
@@ -153,7 +152,6 @@ void score_group(const float* queries, const KV* key, int64_t stride, int64_t co
     }
     return _mm512_add_ps(a, b);
   };
-  auto partial_of = [&](const float* k_row, int g) LS_INLINE { return partial(k_row, g); };
   // sixteen keys a time: their sixteen partial vectors are summed lane-wise into one vector of
   // sixteen scores; a key of a short last batch gets the same tree (the missing keys are zeros), so
   // each score's bits depend on its key and query only
@@ -161,23 +159,10 @@ void score_group(const float* queries, const KV* key, int64_t stride, int64_t co
   for (int64_t i = 0; i < count; i += 16, key += 16 * stride) {
     const int64_t n = std::min<int64_t>(16, count - i);
     const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-    if constexpr (std::is_same_v<KV, c10::Half>) {
-      // widen the sixteen keys once for the G heads (each head's loads converting them again was
-      // three quarters of this loop's conversions), then the float path: the same values, same bits
-      alignas(64) float widened[16 * 16 * C];
-      for (int64_t j = 0; j < n; ++j)
-        LS_UNROLL for (int c = 0; c < C; ++c) _mm512_store_ps(widened + j * 16 * C + 16 * c, load16(key + j * stride + 16 * c));
-      LS_UNROLL for (int g = 0; g < G; ++g) {
-        const __m512 sums = n == 16 ? sum_lanes16([&](int j) LS_INLINE { return partial_of(widened + j * 16 * C, g); })
-                                    : sum_lanes16([&](int j) LS_INLINE { return j < n ? partial_of(widened + j * 16 * C, g) : _mm512_setzero_ps(); });
-        _mm512_mask_storeu_ps(out + g * ld + i, keep, _mm512_mul_ps(sums, scales));
-      }
-    } else {
-      LS_UNROLL for (int g = 0; g < G; ++g) {
-        const __m512 sums = n == 16 ? sum_lanes16([&](int j) LS_INLINE { return partial(key + j * stride, g); })
-                                    : sum_lanes16([&](int j) LS_INLINE { return j < n ? partial(key + j * stride, g) : _mm512_setzero_ps(); });
-        _mm512_mask_storeu_ps(out + g * ld + i, keep, _mm512_mul_ps(sums, scales));
-      }
+    LS_UNROLL for (int g = 0; g < G; ++g) {
+      const __m512 sums = n == 16 ? sum_lanes16([&](int j) LS_INLINE { return partial(key + j * stride, g); })
+                                  : sum_lanes16([&](int j) LS_INLINE { return j < n ? partial(key + j * stride, g) : _mm512_setzero_ps(); });
+      _mm512_mask_storeu_ps(out + g * ld + i, keep, _mm512_mul_ps(sums, scales));
     }
   }
 }
@@ -199,17 +184,6 @@ void value_group(const float* weights, int64_t ld, const KV* value, int64_t stri
     LS_UNROLL for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + 16 * c, a[g][c]);
 }
 #endif
-
-// Ask the cache for `count` rows of `dim` entries, `stride` entries apart. The hardware's
-// prefetcher alone leaves a decode step's attention reading its cache at 8 GB/s where the weights
-// stream at 18: a span's keys come in runs of one block (16 slots, 384 bytes apart).
-template <class KV>
-inline void prefetch_rows(const KV* rows, int64_t stride, int64_t count, int64_t dim) {
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(KV));
-  for (int64_t i = 0; i < count; ++i)
-    for (int64_t b = 0; b < bytes; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows + i * stride) + b, 0, 3);
-}
 
 template <class KV>
 struct Runs {
@@ -309,13 +283,12 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
       const int64_t* blocks = table + row_seq[item.row] * s.table_width;
       // the span in runs of consecutive slots (one table lookup per block); the query heads of
       // the KV group read each key and value together
-      auto slot_of = [&](int64_t p) {
-        return s.contiguous_start >= 0 ? s.contiguous_start + p : blocks[p / s.block_size] * s.block_size + p % s.block_size;
-      };
       auto for_each_run = [&](auto&& body) {
         for (int64_t p = item.begin; p < item.end;) {
-          const int64_t count = std::min(item.end - p, s.block_size - p % s.block_size);
-          body(p - item.begin, slot_of(p), count, p + count < item.end ? slot_of(p + count) : -1);
+          const int64_t offset = p % s.block_size;
+          const int64_t slot = s.contiguous_start >= 0 ? s.contiguous_start + p : blocks[p / s.block_size] * s.block_size + offset;
+          const int64_t count = std::min(item.end - p, s.block_size - offset);
+          body(p - item.begin, slot, count);
           p += count;
         }
       };
@@ -330,11 +303,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
       for (int64_t g0 = 0; g0 < group; g0 += runs.heads) {
         float* head_scores = scores.data() + g0 * length;  // runs.heads rows of `length`
         const float* query = queries + g0 * dim;
-        for_each_run([&](int64_t p, int64_t slot, int64_t count, int64_t next_slot) {
-          if (g0 == 0) {  // the next run's keys, and this run's values, on their way from memory
-            if (next_slot >= 0) prefetch_rows(keys + next_slot * slot_stride, slot_stride, s.block_size, dim);
-            prefetch_rows(values + slot * slot_stride, slot_stride, count, dim);
-          }
+        for_each_run([&](int64_t p, int64_t slot, int64_t count) {
           if (runs.score != nullptr)
             runs.score(query, keys + slot * slot_stride, slot_stride, count, s.scale, head_scores + p, length);
           else score_run_any(query, keys + slot * slot_stride, slot_stride, count, dim, s.scale, head_scores + p);
@@ -344,7 +313,7 @@ void attend_rows_raw(const AttendShape& s, const float* q, int64_t q_row_stride,
           top[g] = max_of(row_scores, length);
           sum[g] = exp_in_place(row_scores, length, top[g]);
         }
-        for_each_run([&](int64_t p, int64_t slot, int64_t count, int64_t) {
+        for_each_run([&](int64_t p, int64_t slot, int64_t count) {
           if (runs.value != nullptr)
             runs.value(head_scores + p, length, values + slot * slot_stride, slot_stride, count, acc + g0 * dim);
           else value_run_any(head_scores + p, values + slot * slot_stride, slot_stride, count, dim, acc + g0 * dim);
