@@ -18,6 +18,11 @@ def _anon_huge_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
 
 
+def _vmstat(name: str) -> int:
+    with open("/proc/vmstat") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith(name + " ")), 0)
+
+
 def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -45,8 +50,10 @@ def test_copies_are_equal_aligned_and_side_by_side() -> None:
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off on this kernel")
 def test_the_arena_gets_huge_pages() -> None:
-    before = _anon_huge_kib()
+    before, fallbacks = _anon_huge_kib(), _vmstat("thp_fault_fallback")
     copies = huge_pages.huge_page_copies([torch.ones(16 << 20, dtype=torch.uint8)])
+    if _vmstat("thp_fault_fallback") > fallbacks:
+        pytest.skip("the kernel had no free 2 MiB pages just now (thp_fault_fallback grew)")
     assert _anon_huge_kib() - before >= 8 << 10  # most of the 16 MiB in 2 MiB pages
     assert copies[0].sum().item() == 16 << 20
 
