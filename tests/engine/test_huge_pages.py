@@ -99,3 +99,14 @@ def test_a_quantized_model_streams_from_the_arena_and_computes_the_same(monkeypa
     assert second.packed.data_ptr() - first.packed.data_ptr() < 2 * first.packed.numel() + (1 << 20)
     with torch.inference_mode():
         assert torch.equal(moved(x), reference(x))  # the same codes, the same kernel: the same bits
+
+
+def test_a_refused_mapping_leaves_ordinary_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    big = [torch.ones(3 << 20, dtype=torch.uint8)]
+    assert huge_pages.huge_page_copies(big)[0] is big[0]  # the engine still loads
+    zeros = huge_pages.huge_page_zeros((3 << 20,), torch.uint8)
+    assert zeros.shape == (3 << 20,) and not zeros.any()

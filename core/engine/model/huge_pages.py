@@ -17,6 +17,7 @@ not Linux) the same calls return ordinary tensors.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import sys
@@ -28,6 +29,8 @@ __all__ = ["HUGE_PAGE_BYTES", "huge_page_copies", "huge_page_zeros", "huge_pages
 
 HUGE_PAGE_BYTES = 2 << 20
 _ALIGN = 64  # each tensor of an arena starts on a cache line
+log = logging.getLogger("loopstack.engine")
+_warned = False
 
 
 def huge_pages_enabled() -> bool:
@@ -37,13 +40,21 @@ def huge_pages_enabled() -> bool:
             and os.environ.get("LOOPSTACK_HUGE_PAGES", "1") != "0")
 
 
-def _arena(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed uint8 memory starting on a 2 MiB boundary, advised as huge pages.
-    The tensor keeps its mapping alive (``torch.frombuffer`` holds a reference to it)."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES  # the mapping starts on a 4 KiB page: so does this
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+def _arena(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of zeroed uint8 memory starting on a 2 MiB boundary, advised as huge pages, or
+    ``None`` where the mapping or the advice is refused (logged once). The tensor keeps its mapping
+    alive (``torch.frombuffer`` holds a reference to it)."""
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        start = -whole.data_ptr() % HUGE_PAGE_BYTES  # the mapping starts on a 4 KiB page: so does this
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except (OSError, ValueError) as exc:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning("huge pages unavailable (%s); weights stay in ordinary pages", exc)
+        return None
     return whole[start : start + nbytes]
 
 
@@ -51,9 +62,10 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in huge pages (an ordinary ``torch.zeros`` below 2 MiB or where
     :func:`huge_pages_enabled` is false)."""
     nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-    if not huge_pages_enabled() or nbytes < HUGE_PAGE_BYTES:
+    arena = _arena(nbytes) if huge_pages_enabled() and nbytes >= HUGE_PAGE_BYTES else None
+    if arena is None:
         return torch.zeros(tuple(shape), dtype=dtype)
-    return _arena(nbytes).view(dtype).view(tuple(shape))
+    return arena.view(dtype).view(tuple(shape))
 
 
 def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -65,9 +77,9 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for size in sizes:
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
-    if not huge_pages_enabled() or total < HUGE_PAGE_BYTES:
+    arena = _arena(total) if huge_pages_enabled() and total >= HUGE_PAGE_BYTES else None
+    if arena is None:
         return list(tensors)
-    arena = _arena(total)
     copies = []
     for tensor, offset, size in zip(tensors, offsets, sizes):
         copy = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
