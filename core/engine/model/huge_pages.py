@@ -1,8 +1,8 @@
 """CPU memory in 2 MiB pages for what a decode step streams: the quantized weights.
 
 A decode step of SmolLM2-135M on the q4q8 kernels reads ~60 MB of weights, tile after tile,
-and every layer's KV cache. In 4 KiB pages that is ~15,000 pages a step: the hardware prefetcher
-stops at each page's end and the TLB misses on most of them. On Linux, where transparent huge
+and every layer's KV cache. In 4 KiB pages that is ~15,000 pages a step, each with a TLB entry
+of its own, and the hardware prefetcher does not follow a stream past a page's end. On Linux, where transparent huge
 pages are ``madvise`` (the common default, and this project's machine), memory is given 2 MiB
 pages only where asked for: this module asks. Measured (``scripts/ab_huge_pages.py``, one process,
 alternating rounds): the batch-1 decode step 0.86-0.91x with the weights in huge pages, the
