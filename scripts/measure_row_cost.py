@@ -1,7 +1,8 @@
 """What a verification row costs: the time of a batch-1 step verifying k draft tokens (k + 1 rows)
-against a plain decode step, on the engine as ``loopstack serve`` builds it. Source of the
-speculator's step-cost curve (``DEFAULT_STEP_COST`` in ``core/engine/step_cost.py``: each k's
-median over the k = 0 median):
+against a plain decode step, on the engine as ``loopstack serve`` builds it, in absolute
+milliseconds. Source of the built-in step-cost curve (``DEFAULT_STEP_COST`` in
+``core/engine/step_cost.py``: each k's median over the k = 0 median); an engine with ``step_cost =
+"measure"`` measures its own, the same way but shorter (``core/engine/step_cost_probe.py``):
 
     .venv/bin/python scripts/measure_row_cost.py --rounds 3 --steps 16 --ks 0,1,3,5,7,11,15,19,23,31,39,47,63
 
@@ -16,26 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 KS = (0, 1, 2, 3, 5, 7)
 MAX_K = 128  # longest draft timed
-
-
-class RejectedDraft:
-    """Drafts ``k`` tokens nobody will accept (a test proposer: it only makes rows to verify)."""
-
-    def __init__(self, context: Any, token: int = 0) -> None:
-        self.token = token
-
-    def propose(self, seqs: Sequence[Any], max_tokens: Sequence[int]) -> list[Any]:
-        from loopstack.engine.seams.speculation import Proposal
-
-        return [Proposal([self.token] * limit) for limit in max_tokens]
-
-    def finish(self, seq: Any) -> None:
-        pass
 
 
 def step_ms(engine: Any, prompt: list[int], spec: Any, steps: int) -> float:
@@ -70,6 +55,7 @@ def main() -> None:
 
     from loopstack.engine.factory import build_engine
     from loopstack.engine.seams.speculation import SpeculationSpec
+    from loopstack.engine.step_cost_probe import RejectedDraft
 
     engine = build_engine(num_threads=2)
     text = "The history of the printing press begins in the fifteenth century. " * 80

@@ -32,9 +32,10 @@ if TYPE_CHECKING:
     from loopstack.stack.schema import EngineTable
 
 
-def engine_options(table: EngineTable, kv_cache: KVCacheOptions | None = None) -> EngineOptions:
+def engine_options(table: EngineTable, kv_cache: KVCacheOptions | None = None, *, speculates: bool = False) -> EngineOptions:
     """The engine's own options from a stack's ``[engine]`` table (and the ``loopstack_kv_cache``
-    answer: eviction policy, pins, tier, request log)."""
+    answer: eviction policy, pins, tier, request log). ``speculates``: a plugin of the stack
+    answers ``loopstack_proposer`` (``step_cost = "auto"`` then measures this machine's curve)."""
     from loopstack.engine import EngineOptions
     from loopstack.engine.cache_options import KVCacheOptions
 
@@ -46,14 +47,15 @@ def engine_options(table: EngineTable, kv_cache: KVCacheOptions | None = None) -
         max_model_len=table.max_model_len,
         kv_cache=kv_cache or KVCacheOptions(),
         kv_cache_dtype=table.kv_cache_dtype,
+        step_cost="measure" if table.step_cost == "measure" or (table.step_cost == "auto" and speculates) else "default",
     )
 
 
-def engine_from_table(table: EngineTable, kv_cache: KVCacheOptions | None = None) -> LLMEngine:
+def engine_from_table(table: EngineTable, kv_cache: KVCacheOptions | None = None, *, speculates: bool = False) -> LLMEngine:
     """Build the one embedded engine a stack's ``[engine]`` table describes (``replicas = 1``)."""
     from loopstack.engine import build_engine
 
-    return build_engine(table.model, engine_options(table, kv_cache), device=table.device, dtype=table.dtype,
+    return build_engine(table.model, engine_options(table, kv_cache, speculates=speculates), device=table.device, dtype=table.dtype,
                         quantization=table.quantization, num_threads=table.threads,
                         native_decode=table.native_decode)
 
@@ -67,7 +69,8 @@ def remote_router_from_table(table: EngineTable, hooks_of: Callable[[], Any]) ->
                                max_model_len=table.max_model_len, hooks_of=hooks_of)
 
 
-def router_from_table(table: EngineTable, hooks_of: Callable[[], Any], kv_cache: KVCacheOptions | None = None) -> Router:
+def router_from_table(table: EngineTable, hooks_of: Callable[[], Any], kv_cache: KVCacheOptions | None = None, *,
+                      speculates: bool = False) -> Router:
     """A router over ``replicas`` embedded engine processes (``[engine] replicas > 1``); every
     replica gets an equal share of the cores (or ``threads`` each)."""
     from loopstack.engine.device import resolve_device
@@ -75,14 +78,14 @@ def router_from_table(table: EngineTable, hooks_of: Callable[[], Any], kv_cache:
 
     device = str(resolve_device(table.device))
     return start_embedded_router(
-        table.model, table.replicas, engine_options(table, kv_cache), device=device, dtype=table.dtype,
+        table.model, table.replicas, engine_options(table, kv_cache, speculates=speculates), device=device, dtype=table.dtype,
         quantization=table.quantization, native_decode=table.native_decode, threads_per_replica=table.threads,
         hooks_of=hooks_of,
     )
 
 
 def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of: Callable[[], Any],
-                                    kv_cache: KVCacheOptions | None = None) -> Router:
+                                    kv_cache: KVCacheOptions | None = None, *, speculates: bool = False) -> Router:
     """A router over the prefill and decode workers a ``loopstack_topology`` answer asks for."""
     from loopstack.engine.device import resolve_device
     from loopstack.inference.fleet import start_disaggregated_router
@@ -91,7 +94,7 @@ def disaggregated_router_from_table(table: EngineTable, topology: Any, hooks_of:
         raise ValueError("[engine] remote servers and a disaggregated topology do not mix: disaggregation runs "
                          "embedded workers (turn [plugins.disaggregation] off, or remove [engine] remote)")
     return start_disaggregated_router(
-        table.model, topology, engine_options(table, kv_cache), device=str(resolve_device(table.device)), dtype=table.dtype,
+        table.model, topology, engine_options(table, kv_cache, speculates=speculates), device=str(resolve_device(table.device)), dtype=table.dtype,
         quantization=table.quantization, native_decode=table.native_decode, hooks_of=hooks_of,
     )
 
@@ -107,16 +110,18 @@ def state_for(live: LiveStack, *, engine: Any = None, store_path: str | Path | N
     stack = live.current.stack
     topology = live.current.hooks.topology(stack.engine) if engine is None else None
     kv_cache = live.current.hooks.kv_cache(stack.engine)
+    speculates = live.current.hooks.serves("loopstack_proposer")  # [engine] step_cost = "auto" measures then
     if topology is not None:
-        engine = disaggregated_router_from_table(stack.engine, topology, lambda: live.current.hooks, kv_cache)
+        engine = disaggregated_router_from_table(stack.engine, topology, lambda: live.current.hooks, kv_cache,
+                                                 speculates=speculates)
     elif engine is None and stack.engine.remote:
         engine = remote_router_from_table(stack.engine, lambda: live.current.hooks)
     elif engine is None and stack.engine.replicas > 1:
-        engine = router_from_table(stack.engine, lambda: live.current.hooks, kv_cache)
+        engine = router_from_table(stack.engine, lambda: live.current.hooks, kv_cache, speculates=speculates)
     elif engine is None:
         from loopstack.engine import AsyncEngine
 
-        engine = AsyncEngine(engine_from_table(stack.engine, kv_cache))
+        engine = AsyncEngine(engine_from_table(stack.engine, kv_cache, speculates=speculates))
     keyring = KeyRing.from_config(stack.api, environ=os.environ)
     store = ResponseStore(store_path or stack.api.store_path, ttl_s=stack.api.response_ttl_s)
     return ServerState(live=live, engine=engine, store=store, keyring=keyring, model_name=stack.engine.model,

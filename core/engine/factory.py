@@ -17,6 +17,7 @@ from loopstack.engine.loaders import DEFAULT_MODEL, load_model
 from loopstack.engine.model.native_decode import NativeDecoder
 from loopstack.engine.model.quant import CALIBRATION_TEXT, calibrate_head, quantize_model
 from loopstack.engine.seams.kv_events import KVEventBus
+from loopstack.engine.step_cost_probe import STEP_COST_CHOICES, apply_step_cost
 
 __all__ = ["QUANTIZATIONS", "build_engine", "resolve_quantization"]
 
@@ -76,6 +77,8 @@ def build_engine(
         ``quantization`` for the device or ``num_layers`` out of range.
     """
     _check_quantization(quantization)  # before seconds of loading
+    if options is not None and options.step_cost not in STEP_COST_CHOICES:
+        raise ValueError(f"EngineOptions.step_cost: {options.step_cost!r}; allowed: {', '.join(STEP_COST_CHOICES)}")
     if num_threads:
         torch.set_num_threads(num_threads)
     loaded = load_model(model, device=device, dtype=dtype)
@@ -90,4 +93,5 @@ def build_engine(
         loaded.model.native_decoder = NativeDecoder.for_model(loaded.model)
     engine = LLMEngine(loaded.model, loaded.tokenizer, options, event_bus=event_bus)
     engine.quantization = resolved
+    apply_step_cost(engine)
     return engine

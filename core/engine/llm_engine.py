@@ -56,6 +56,9 @@ class EngineOptions:
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)  # eviction policy, pins, tier, log
     kept_logits: int = 8  # last logits of this many recent prompts: the same prompt again needs no forward (0: off)
     kv_cache_dtype: str = "auto"  # auto (float16 under the C++ decode layers, else the model's) | float32 | float16 | bfloat16
+    # the curve speculation prices drafts with: default (built in) | measure (this machine's, measured
+    # once per model and kept: loopstack.engine.step_cost_probe; build_engine applies it)
+    step_cost: str = "default"
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class EngineTable(_Table):
         "auto", description="KV cache dtype (auto: float16 under the C++ decode layers on CPU, where it halves what "
         "attention over a long context reads; else the model's dtype)"
     )
+    step_cost: Literal["auto", "measure", "default"] = Field(
+        "auto", description="what speculative decoding prices a draft's verification rows by: measure (this machine's "
+        "step times by rows, measured once per model in a few seconds and kept in the user cache), default (the "
+        "built-in curve of a 2-core Xeon), auto (measure when a plugin of the stack proposes drafts, else default)"
+    )
     remote: list[RemoteReplicaTable] = Field(
         default_factory=list, description="OpenAI-compatible servers served as replicas (tables, or plain base URLs)"
     )

@@ -175,9 +175,10 @@ def default_model_int4(default_model: Any) -> CausalLM:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(**options) -> LLMEngine:
+def make_engine(*, event_bus: Any = None, **options) -> LLMEngine:
     defaults = {"num_kv_blocks": 128, "block_size": 4, "max_num_batched_tokens": 64}
-    return LLMEngine(build_tiny_model(tie_word_embeddings=False), byte_tokenizer(), EngineOptions(**{**defaults, **options}))
+    return LLMEngine(build_tiny_model(tie_word_embeddings=False), byte_tokenizer(), EngineOptions(**{**defaults, **options}),
+                     event_bus=event_bus)
 
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [10, 11, 12], list(range(30, 70))]

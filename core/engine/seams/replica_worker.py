@@ -90,6 +90,7 @@ from loopstack.engine.seams.kv_transfer import (
 )
 from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
+from loopstack.engine.step_cost_probe import apply_step_cost
 from loopstack.engine.text.grammar import InvalidGrammarError
 
 __all__ = [
@@ -207,6 +208,7 @@ def replica_main(
         if quantization == "none" and not native_decode:
             loaded = load_model(model, device, dtype)
             engine = LLMEngine(loaded.model, loaded.tokenizer, options, event_bus=bus)
+            apply_step_cost(engine)
         else:
             from loopstack.engine.factory import build_engine
 

@@ -17,8 +17,13 @@ of a batch, once at most ``max_batch_size`` requests are left, may draft).
 Options (``-o``): ``max_tokens`` (192), ``per_kind`` (4 agent requests of each shape), ``chat`` (8),
 ``columns`` (a comma list of ``off,ngram,suffix,draft_model``; all), ``groups`` (a comma list
 of ``agent_b1,chat_b1,agent_b8,chat_b8``; all), ``k`` (num_speculative_tokens; unset: each proposer's default, 24 for suffix and 7 for ngram), ``max_batch_size`` (the switch-off threshold, 4), ``draft_layers``
-(8; 0 for the whole draft model), ``draft_k`` (3), ``draft_adaptive`` (0; 1: adaptive k on for the
-draft, as a stack's default has it), ``model`` (the target: a built-in name, a .gguf
+(8; 0 for the whole draft model), ``draft_k`` (3), ``pairs`` (2; 0 in ``--quick``: at batch 8 each proposer column also runs
+``off`` and itself back to back this many times, ABBA, and reports ``{group}_paired_vs_off``, the
+ratio of those runs' tokens/s, since the columns' own runs are minutes apart on a machine whose
+speed swings more than the goal's 3%), ``draft_adaptive`` (0; 1: adaptive k on for the
+draft, as a stack's default has it), ``step_cost`` (``measure``: drafts priced by this machine's
+step-cost curve, measured once and kept, as a stack with speculation has it; ``default``: the
+built-in curve), ``model`` (the target: a built-in name, a .gguf
 file or a Hugging Face directory; the default model), ``draft_model`` (the draft, likewise; the
 target), ``device`` (auto: CUDA where torch sees one). On a GPU, a Hugging Face pair with a shared
 tokenizer: ``-o model=DIR -o draft_model=DIR -o draft_layers=0``.
@@ -100,10 +105,14 @@ class SpecWorkload(Workload):
                 "draft_adaptive": bool(int(extra.get("draft_adaptive", 0))),
                 "model": str(extra.get("model", DEFAULT_MODEL)),
                 "device": str(extra.get("device", "auto")),
+                "step_cost": str(extra.get("step_cost", "measure")),
+                "pairs": int(extra.get("pairs", 0 if options.quick else 2)),
             }
             settings["draft_model"] = str(extra.get("draft_model", settings["model"]))
         except ValueError as exc:
             raise BenchOptionError(f"spec options: {exc}") from None
+        if settings["step_cost"] not in ("measure", "default"):
+            raise BenchOptionError(f"spec option step_cost: {settings['step_cost']!r}; allowed: measure, default")
         chosen = _pick(extra, "columns", COLUMNS)
         if "off" not in chosen:
             raise BenchOptionError("spec option columns: every proposer is measured against 'off'; include it")
@@ -113,8 +122,9 @@ class SpecWorkload(Workload):
         trajectories = options.data_dir / "trajectories"
         if not trajectories.is_dir():
             raise BenchOptionError(f"the spec bench needs {trajectories} (../shared/data); it is not there")
-        self._engine = await asyncio.to_thread(build_engine, settings["model"], EngineOptions(max_model_len=4096),
-                                               device=settings["device"])
+        self._engine = await asyncio.to_thread(
+            build_engine, settings["model"], EngineOptions(max_model_len=4096, step_cost=settings["step_cost"]),
+            device=settings["device"])
         tokenizer = self._engine.tokenizer
 
         def encode(prompts: list[SpecPrompt]) -> list[list[int]]:
@@ -165,16 +175,13 @@ class SpecWorkload(Workload):
             # from an earlier group or round (the groups share prompts, and greedy outputs repeat);
             # a draft model is kept (loading it takes seconds) with its prefix cache emptied; what the
             # engine learned of a proposer's confidences starts over too
-            engine.speculator.calibrations.clear()
-            for key, proposer in list(engine.speculator.proposers.items()):
-                if hasattr(proposer, "block_manager"):
-                    proposer.block_manager.reset_prefix_cache()
-                else:
-                    del engine.speculator.proposers[key]
+            self._fresh_proposers()
             run = self._run(prompts, spec, batch)
             metrics[f"{group}_tok_s"] = round(run.tokens_per_s, 2)
             if spec is not None:
                 metrics[f"{group}_drafting_steps"] = round(run.drafting_steps / run.decode_steps, 3) if run.decode_steps else 0.0
+                if batch > 1 and self._settings["pairs"]:
+                    metrics[f"{group}_paired_vs_off"] = self._paired(prompts, spec, batch)
             if column == "off":
                 self._reference[group] = run.outputs or []
             reference = self._reference.get(group)
@@ -187,6 +194,27 @@ class SpecWorkload(Workload):
         metrics["tokens_per_verify"] = round(emitted / verifies, 3) if verifies else 0.0
         metrics["identical"] = round(same / total, 3) if total else 1.0
         return metrics
+
+    def _fresh_proposers(self) -> None:
+        engine = self._engine
+        engine.speculator.calibrations.clear()
+        for key, proposer in list(engine.speculator.proposers.items()):
+            if hasattr(proposer, "block_manager"):
+                proposer.block_manager.reset_prefix_cache()
+            else:
+                del engine.speculator.proposers[key]
+
+    def _paired(self, prompts: list[list[int]], spec: Any, batch: int) -> float:
+        """This proposer's decode tokens/s over ``off``'s on the same batches, run back to back
+        (``pairs`` times, in ABBA order): the two columns' own runs are minutes apart, and this
+        machine's speed swings more than the few percent the batch-8 goal is about."""
+        runs: dict[bool, list[_Run]] = {False: [], True: []}
+        for i in range(self._settings["pairs"]):
+            for speculating in ((False, True) if i % 2 == 0 else (True, False)):
+                self._fresh_proposers()
+                runs[speculating].append(self._run(prompts, spec if speculating else None, batch))
+        speed = {arm: sum(r.decode_tokens for r in rs) / sum(r.decode_s for r in rs) for arm, rs in runs.items()}
+        return round(speed[True] / speed[False], 3)
 
     def _run(self, prompts: list[list[int]], spec: Any, batch: int) -> _Run:
         from loopstack.engine.sampling_params import SamplingParams
@@ -224,4 +252,5 @@ class SpecWorkload(Workload):
         engine = self._engine
         device = str(engine.model.device) if engine is not None else self._settings.get("device")
         k = {column: spec.num_speculative_tokens for column, spec in self._specs.items() if spec is not None}
-        return {**self._settings, "k": k, "groups": groups, "device": device}
+        curve = [list(p) for p in engine.speculator.step_cost.points] if engine is not None else None
+        return {**self._settings, "k": k, "groups": groups, "device": device, "step_cost_curve": curve}

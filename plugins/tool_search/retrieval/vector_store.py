@@ -25,6 +25,8 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from loopstack.engine.cache_dir import user_cache_dir
+
 __all__ = ["SCHEMA_VERSION", "VectorStore", "VectorStoreStatistics", "default_path"]
 
 log = logging.getLogger(__name__)
@@ -65,13 +67,7 @@ T = TypeVar("T")
 def default_path(env: Mapping[str, str] = os.environ) -> Path:
     """``$LOOPSTACK_CACHE_DIR/tool_search/vectors.sqlite3``, else the same under
     ``$XDG_CACHE_HOME/loopstack``, else under ``~/.cache/loopstack``."""
-    if env.get("LOOPSTACK_CACHE_DIR"):
-        base = Path(env["LOOPSTACK_CACHE_DIR"]).expanduser()
-    elif env.get("XDG_CACHE_HOME") and Path(env["XDG_CACHE_HOME"]).is_absolute():  # relative: ignored, per XDG
-        base = Path(env["XDG_CACHE_HOME"]) / "loopstack"
-    else:
-        base = Path.home() / ".cache" / "loopstack"
-    return base / "tool_search" / "vectors.sqlite3"
+    return user_cache_dir(env) / "tool_search" / "vectors.sqlite3"
 
 
 def _code(error: Exception) -> int | None:
