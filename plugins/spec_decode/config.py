@@ -17,8 +17,9 @@ DEFAULT_K = {"suffix": 24, "ngram": 7, "draft_model": 7}
 
 class SpecDecodeConfig(PluginConfig):
     proposer: Literal["suffix", "ngram", "draft_model"] = Field(
-        "ngram", description="where draft tokens come from: ngram (prompt lookup; the faster one measured here), "
-        "suffix (SuffixDecoding) or draft_model (a smaller model with the target's tokenizer)")
+        "suffix", description="where draft tokens come from: suffix (SuffixDecoding; the faster one measured here, "
+        "with drafts priced by this machine's step cost), ngram (prompt lookup) or draft_model (a smaller model with "
+        "the target's tokenizer)")
     num_speculative_tokens: int | None = Field(
         None, ge=1, le=32, description="the most draft tokens verified per step (k); unset: 24 for suffix (whose "
         "drafts adaptive k cuts by their stated confidence), 7 for ngram and draft_model")

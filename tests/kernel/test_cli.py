@@ -43,7 +43,7 @@ def test_show_prints_the_resolved_stack(capsys):
     assert main(["stacks", "show", "full"]) == 0
     out = capsys.readouterr().out
     assert "[engine]" in out and "replicas = 2" in out and 'model = "smollm2-135m-instruct"' in out
-    assert "[plugins.spec_decode]" in out and 'proposer = "ngram"' in out
+    assert "[plugins.spec_decode]" in out and 'proposer = "suffix"' in out
 
 
 def test_list_finds_shipped_stacks(capsys):
