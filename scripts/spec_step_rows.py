@@ -53,7 +53,7 @@ def main() -> None:
                     if decoding:
                         rows = 1 + engine.speculator.statistics.num_proposed - proposed
                         steps[rows].append(time.perf_counter() - started)
-    measured = measure_step_cost(engine)
+    measured = measure_step_cost(engine).curve
     plain = statistics.median(steps[1])
     print(f"plain step {plain * 1e3:.2f} ms ({len(steps[1])} steps)")
     print("rows  steps  real  measured  built-in")

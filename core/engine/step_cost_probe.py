@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -40,14 +40,15 @@ from loopstack.engine.step_cost import StepCost
 if TYPE_CHECKING:
     from loopstack.engine.llm_engine import LLMEngine
 
-__all__ = ["PROBE_ROWS", "STEP_COST_CHOICES", "RejectedDraft", "StepCostStore", "apply_step_cost", "fingerprint",
-           "machine_step_cost", "measure_step_cost"]
+__all__ = ["PROBE_ROWS", "STEP_COST_CHOICES", "RejectedDraft", "StepCostMeasurement", "StepCostStore",
+           "apply_step_cost", "fingerprint", "machine_step_cost", "measure_step_cost"]
 
 log = logging.getLogger(__name__)
 
 STEP_COST_CHOICES = ("default", "measure")  # EngineOptions.step_cost
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # 33: the longest verification (k = 32, the spec's cap)
 STORE_VERSION = 1
+MAX_SPREAD = 0.3  # a measurement noisier than this is used but not kept (quiet runs here: 0.08-0.15)
 # what changes a step's cost without changing the model (the kernels' switches)
 _KERNEL_SWITCHES = ("LOOPSTACK_AMX", "LOOPSTACK_HUGE_PAGES", "LOOPSTACK_PREFETCH")
 
@@ -85,8 +86,14 @@ def _probe_engine(engine: LLMEngine, context: int, max_rows: int, steps: int) ->
     return LLMEngine(engine.model, engine.tokenizer, probe_options)
 
 
+class StepCostMeasurement(NamedTuple):
+    curve: StepCost
+    spread: float  # the largest relative interquartile range of a point's pair ratios: how noisy it was
+    one_row_s: float  # the median one-row step
+
+
 def measure_step_cost(engine: LLMEngine, rows: Sequence[int] = PROBE_ROWS, *, steps: int = 6, rounds: int = 3,
-                      context: int = 400) -> StepCost:
+                      context: int = 400) -> StepCostMeasurement:
     """Time ``steps`` steps of each of ``rows`` rows, each right after a one-row step, in ``rounds``
     rounds of alternating order, after a ``context``-token prompt, on a private engine over
     ``engine``'s model; the curve relative to one row (see the module docstring)."""
@@ -121,15 +128,24 @@ def measure_step_cost(engine: LLMEngine, rows: Sequence[int] = PROBE_ROWS, *, st
                     ratios[n].append(wide / plain)
                     one_row.append(plain)
     probe.abort(seq.request_id)
+    spread = max(_relative_iqr(values) for values in ratios.values())
     points, highest = [(1, 1.0)], 1.0
     for n in rows[1:]:
         # a step never gets cheaper with more rows, nor dearer than that many one-row steps
         highest = min(max(highest, statistics.median(ratios[n])), float(n))
         points.append((n, round(highest, 3)))
-    curve = StepCost(tuple(points))
-    log.info("step cost measured: one row %.2f ms; %s", statistics.median(one_row) * 1e3,
-             ", ".join(f"{n} rows {t:.2f}" for n, t in points[1:]))
-    return curve
+    measured = StepCostMeasurement(StepCost(tuple(points)), spread, statistics.median(one_row))
+    log.info("step cost measured: one row %.2f ms; %s (spread %.2f)", measured.one_row_s * 1e3,
+             ", ".join(f"{n} rows {t:.2f}" for n, t in points[1:]), spread)
+    return measured
+
+
+def _relative_iqr(values: Sequence[float]) -> float:
+    """The interquartile range of ``values`` over their median."""
+    if len(values) < 4:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / median if median > 0 else 0.0
 
 
 def _timed_step(engine: LLMEngine, proposer: RejectedDraft, k: int) -> float:
@@ -224,9 +240,13 @@ def machine_step_cost(engine: LLMEngine, store: StepCostStore | None = None) -> 
         log.info("step cost of this machine from %s", store.path)
         return curve
     log.info("measuring this machine's step cost for speculative decoding (once per model: kept in %s)", store.path)
-    curve = measure_step_cost(engine)
-    store.put(key, curve)
-    return curve
+    measured = measure_step_cost(engine)
+    if measured.spread > MAX_SPREAD:
+        log.warning("the step cost measured now is noisy (pair ratios spread by %.0f%%: the machine is busy); "
+                    "it is used but not kept, and measured again at the next start", measured.spread * 100)
+    else:
+        store.put(key, measured.curve)
+    return measured.curve
 
 
 def apply_step_cost(engine: LLMEngine) -> None:

@@ -13,6 +13,7 @@ from loopstack.api.server import engine_options
 from loopstack.engine.seams.kv_events import KVEventBus
 from loopstack.engine.step_cost import DEFAULT_STEP_COST, StepCost
 from loopstack.engine.step_cost_probe import (
+    StepCostMeasurement,
     StepCostStore,
     apply_step_cost,
     fingerprint,
@@ -26,7 +27,7 @@ ROWS = (1, 2, 4, 8)
 
 
 def quick(engine, **kw):
-    return measure_step_cost(engine, ROWS, steps=2, rounds=1, context=24, **kw)
+    return measure_step_cost(engine, ROWS, steps=2, rounds=1, context=24, **kw).curve
 
 
 def test_the_measured_curve_has_a_point_per_row_count_relative_to_one_row_and_never_falls():
@@ -58,7 +59,7 @@ def test_a_store_keeps_curves_by_fingerprint_and_measures_once(tmp_path, monkeyp
 
     def measure(engine):
         calls.append(engine)
-        return StepCost(((1, 1.0), (2, 1.5), (8, 4.0)))
+        return StepCostMeasurement(StepCost(((1, 1.0), (2, 1.5), (8, 4.0))), 0.1, 0.005)
 
     monkeypatch.setattr("loopstack.engine.step_cost_probe.measure_step_cost", measure)
     store = StepCostStore(tmp_path / "step_cost.json")
@@ -93,7 +94,7 @@ def test_an_unreadable_or_malformed_store_is_measured_over(tmp_path, monkeypatch
     if "points" in content:  # the malformed entry under this engine's own key
         path.write_text(content.replace('"x"', json.dumps(fingerprint(engine))))
     monkeypatch.setattr("loopstack.engine.step_cost_probe.measure_step_cost",
-                        lambda engine: StepCost(((1, 1.0), (4, 2.0))))
+                        lambda engine: StepCostMeasurement(StepCost(((1, 1.0), (4, 2.0))), 0.1, 0.005))
     with caplog.at_level(logging.WARNING, logger="loopstack.engine.step_cost_probe"):
         curve = machine_step_cost(engine, StepCostStore(path))
     assert curve.points == ((1, 1.0), (4, 2.0))
@@ -104,7 +105,7 @@ def test_a_store_that_cannot_be_written_still_gives_the_curve(tmp_path, monkeypa
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setattr("loopstack.engine.step_cost_probe.measure_step_cost",
-                        lambda engine: StepCost(((1, 1.0), (4, 2.0))))
+                        lambda engine: StepCostMeasurement(StepCost(((1, 1.0), (4, 2.0))), 0.1, 0.005))
     with caplog.at_level(logging.WARNING, logger="loopstack.engine.step_cost_probe"):
         curve = machine_step_cost(make_engine(), StepCostStore(blocker / "sub" / "step_cost.json"))
     assert curve.points == ((1, 1.0), (4, 2.0)) and "could not keep" in caplog.text
@@ -128,3 +129,12 @@ def test_the_option_measures_or_keeps_the_default(monkeypatch):
 ])
 def test_the_engine_table_measures_when_the_stack_speculates(setting, speculates, expected):
     assert engine_options(EngineTable(step_cost=setting), speculates=speculates).step_cost == expected
+
+
+def test_a_noisy_measurement_is_used_but_not_kept(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "step_cost.json"
+    monkeypatch.setattr("loopstack.engine.step_cost_probe.measure_step_cost",
+                        lambda engine: StepCostMeasurement(StepCost(((1, 1.0), (4, 2.0))), 0.6, 0.005))
+    with caplog.at_level(logging.WARNING, logger="loopstack.engine.step_cost_probe"):
+        curve = machine_step_cost(make_engine(), StepCostStore(path))
+    assert curve.points == ((1, 1.0), (4, 2.0)) and not path.exists() and "noisy" in caplog.text
