@@ -196,6 +196,10 @@ class StepCostStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or user_cache_dir() / "step_cost.json"
 
+    def entries(self) -> dict[str, Any]:
+        """Every kept curve: fingerprint -> ``{"points": [[rows, time], ...], "measured": ISO time}``."""
+        return self._read()
+
     def get(self, key: str) -> StepCost | None:
         entry = self._read().get(key)
         if entry is None:

@@ -138,3 +138,15 @@ def test_a_noisy_measurement_is_used_but_not_kept(tmp_path, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="loopstack.engine.step_cost_probe"):
         curve = machine_step_cost(make_engine(), StepCostStore(path))
     assert curve.points == ((1, 1.0), (4, 2.0)) and not path.exists() and "noisy" in caplog.text
+
+
+def test_the_cli_lists_the_kept_curves(tmp_path, monkeypatch, capsys):
+    from loopstack.cli.main import main
+
+    monkeypatch.setenv("LOOPSTACK_CACHE_DIR", str(tmp_path))
+    assert main(["model", "step-cost"]) == 0
+    assert "no step-cost curve kept" in capsys.readouterr().out
+    StepCostStore().put("llama L30 cpu", StepCost(((1, 1.0), (8, 2.5))))
+    assert main(["model", "step-cost"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "step_cost.json") in out and "llama L30 cpu" in out and "8 rows 2.50" in out
