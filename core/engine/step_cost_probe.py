@@ -16,7 +16,8 @@ at 2.1 one-row steps; adjacent pairs give 1.12-1.16). The curve is made non-decr
 ``n`` (a step of ``n`` rows costs at most ``n`` one-row steps). :class:`StepCostStore` keeps
 curves in a JSON file by a fingerprint of what they depend on (model shape and bytes,
 quantization, device, CPU, threads, kernels, KV dtype), so a machine measures once per model:
-about 4 s for SmolLM2-135M on 2 CPU cores. :func:`machine_step_cost` is the two together.
+about 5 s for SmolLM2-135M on 2 CPU cores (a slower model takes fewer pairs, from 6 down to 2 a row
+count, to stay near 10 s). :func:`machine_step_cost` is the two together.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 STEP_COST_CHOICES = ("default", "measure")  # EngineOptions.step_cost
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)  # 33: the longest verification (k = 32, the spec's cap)
 STORE_VERSION = 1
+MAX_PROBE_S = 10.0  # the measurement's rough time budget: slow models take fewer pairs a row count
 MAX_SPREAD = 0.3  # a measurement noisier than this is used but not kept (quiet runs here: 0.08-0.15)
 # what changes a step's cost without changing the model (the kernels' switches)
 _KERNEL_SWITCHES = ("LOOPSTACK_AMX", "LOOPSTACK_HUGE_PAGES", "LOOPSTACK_PREFETCH")
@@ -116,6 +118,10 @@ def measure_step_cost(engine: LLMEngine, rows: Sequence[int] = PROBE_ROWS, *, st
                             SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True), speculation=spec)
     while not seq.output_token_ids:  # prefill
         probe.step()
+    # a slow model (say 50 ms a step) takes fewer pairs, so the probe stays about MAX_PROBE_S long
+    plain_s = min(_timed_step(probe, proposer, 0) for _ in range(3))
+    units = sum(1.0 + min(n, 1.0 + 0.3 * n) for n in rows[1:])  # a pair's cost, roughly, in plain steps
+    steps = max(2, min(steps, int(MAX_PROBE_S / (plain_s * units * rounds))))
     ratios: dict[int, list[float]] = {n: [] for n in rows[1:]}
     one_row: list[float] = []
     for phase in range(rounds + 1):  # phase 0 warms every row count up and is not kept
