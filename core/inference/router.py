@@ -38,6 +38,7 @@ from loopstack.engine.seams.kv_events import KVCacheEvent
 from loopstack.engine.seams.replica_worker import ReplicaDiedError
 from loopstack.engine.seams.speculation import SpeculationSpec
 from loopstack.engine.sequence import FinishReason
+from loopstack.inference.admission import AdmissionStatistics, PrefillAdmission
 from loopstack.inference.backends import Backend, ReplicaBusyError, ReplicaUnavailableError
 from loopstack.inference.load import LoadTracker
 from loopstack.inference.loop_thread import LoopThread
@@ -90,6 +91,7 @@ class RouterStatistics(NamedTuple):
     cached_tokens: int  # what the replicas reported on first output
     num_in_flight: tuple[int, ...]
     imbalance: float
+    admission: AdmissionStatistics | None = None  # the prefill admission's, where one is configured
 
 
 class Router:
@@ -119,6 +121,7 @@ class Router:
         self._on_close = on_close
         self._fallback = RoundRobin()
         self._tracker = LoadTracker(len(self.backends))
+        self._admission: PrefillAdmission | None = None
         self._healthy = [True] * len(self.backends)
         self._failed_pings = [0] * len(self.backends)
         self._recovering: set[int] = set()
@@ -227,6 +230,12 @@ class Router:
     def subscribe_health(self, listener: ReplicaListener) -> Callable[[], None]:
         return self._subscribe(self._health_listeners, listener)
 
+    def configure_admission(self, *, budget_tokens: int | None, max_wait_s: float | None = None) -> None:
+        """See :meth:`~.types.RouterHandle.configure_admission`; call it on the router loop (from
+        ``loopstack_router_started``), before requests arrive: requests in flight keep the old one."""
+        self._admission = (None if budget_tokens is None else
+                           PrefillAdmission(len(self.backends), budget_tokens=budget_tokens, max_wait_s=max_wait_s))
+
     def deliver_kv_event(self, index: int, event: KVCacheEvent) -> None:
         """Called on the router loop by whatever reads replica ``index``'s events."""
         for listener in list(self._kv_listeners.values()):
@@ -258,6 +267,7 @@ class Router:
             cached_tokens=self._counts["cached_tokens"],
             num_in_flight=load.num_in_flight,
             imbalance=load.imbalance,
+            admission=self._admission.statistics() if self._admission is not None else None,
         )
 
     def embedded_pools(self) -> list[tuple[str, Any]]:
@@ -333,10 +343,15 @@ class Router:
             decision = self._decide(route, hints.ctx, excluded)
             index, key = decision.index, object()
             self._record(hints.ctx, decision)
-            self._tracker.routed(key, index, num_prompt_tokens=len(ids),
-                                 num_cached_tokens=route.cached_tokens(decision.predicted_cached_blocks or 0))
+            num_cached = route.cached_tokens(decision.predicted_cached_blocks or 0)
+            self._tracker.routed(key, index, num_prompt_tokens=len(ids), num_cached_tokens=num_cached)
+            admission = self._admission
             delivered: list[RequestOutput] = []
             try:
+                if admission is not None and decision.shortest_first:
+                    await admission.wait(key, index, len(ids) - num_cached)
+                elif admission is not None:
+                    admission.sent_now(key, index, len(ids) - num_cached)
                 await self._stream_from(index, ids, params, request_id, salt, extras, key, hints, delivered, put)
                 return
             except (ReplicaDiedError, ReplicaUnavailableError) as exc:
@@ -355,6 +370,8 @@ class Router:
                 return
             finally:
                 self._tracker.finished(key)
+                if admission is not None:
+                    admission.finished(key)
 
     async def _stream_from(self, index: int, ids: list[int], params: SamplingParams, request_id: str, salt: str,
                            extras: _Extras, key: object, hints: RouteHints,
@@ -374,6 +391,8 @@ class Router:
                     raise ReplicaUnavailableError(f"no output for {timeout} s") from None
                 if not delivered:
                     self._tracker.first_output(key)
+                    if self._admission is not None:
+                        self._admission.prefilled(key)
                 delivered.append(output)
                 if output.finished:  # the last usage is complete (a remote server reports it at the end)
                     self._record_cached(hints.ctx, backend.name, output.usage.cached_prompt_tokens, len(ids))

@@ -91,12 +91,16 @@ class RouteDecision:
     ``reason`` is a short code the metrics count by (``round_robin``, ``cache_hit``, ``load``,
     ``affinity``, ...). ``predicted_cached_blocks`` is the policy's belief of how many leading blocks
     the replica holds (``None``: the policy has no belief), compared with what the engine reports.
+    ``shortest_first``: hold the request in the router's prefill admission when one is configured
+    (:meth:`RouterHandle.configure_admission`), to be sent in shortest-prefill order; False: send at
+    once (its prefill still counts against the replica's budget).
     """
 
     index: int
     reason: str
     predicted_cached_blocks: int | None = None
     scores: dict[int, float] = field(default_factory=dict, compare=False)  # for logs and tests
+    shortest_first: bool = False
 
 
 @runtime_checkable
@@ -139,3 +143,9 @@ class RouterHandle(Protocol):
     def subscribe_kv_events(self, listener: KVEventListener) -> Callable[[], None]: ...
 
     def subscribe_health(self, listener: ReplicaListener) -> Callable[[], None]: ...
+
+    def configure_admission(self, *, budget_tokens: int | None, max_wait_s: float | None = None) -> None:
+        """Hold ``shortest_first`` requests in the router until the replica's outstanding uncached
+        prefill (sent, no first output yet) is under ``budget_tokens``, shortest prefill first; a
+        request held ``max_wait_s`` goes first (None: never). ``budget_tokens=None`` turns it off."""
+        ...

@@ -39,6 +39,17 @@ class CacheRoutingConfig(PluginConfig):
     pending_ttl_s: float = Field(
         30.0, ge=0, description="precise: how long a prompt sent to a replica counts as cached there before its events arrive (0: off)"
     )
+    admission: Literal["off", "shortest_first"] = Field(
+        "off",
+        description="shortest_first: the router holds requests while a replica has admission_budget_tokens of"
+        " prefill outstanding and sends the shortest uncached prefill first; off: send at once",
+    )
+    admission_budget_tokens: int = Field(
+        512, ge=1, description="shortest_first: uncached prefill tokens a replica may have sent and not yet answered"
+    )
+    admission_max_wait_s: float | None = Field(
+        10.0, gt=0, description="shortest_first: a request held this long goes before shorter ones (none: never)"
+    )
     history_ttl_s: float = Field(600.0, gt=0, description="approximate: how long a routed prefix counts as cached")
     history_max_entries: int = Field(1_000_000, ge=1, description="approximate: (block, replica) pairs kept")
     virtual_nodes: int = Field(64, ge=1, le=4096, description="session_affinity: ring points per replica")

@@ -7,6 +7,7 @@ on the first routing call when no router announced itself (a trace replay, a tes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Collection, Sequence
 
@@ -80,6 +81,9 @@ class CacheRouting(Plugin):
         if self.index is not None:
             self._unsubscribe.append(router.subscribe_kv_events(self._on_kv_event))
         self._unsubscribe.append(router.subscribe_health(self._on_health))
+        if self.config.admission == "shortest_first":
+            router.configure_admission(budget_tokens=self.config.admission_budget_tokens,
+                                       max_wait_s=self.config.admission_max_wait_s)
         logger.info("cache_routing (%s): policy %s over %d replicas, %d with KV events",
                     self.arm, self.config.policy, router.num_replicas, len(precise))
 
@@ -89,6 +93,8 @@ class CacheRouting(Plugin):
             self.policy, self.index = build_policy(self.config, num_replicas=len(replicas))
         decision = self.policy.choose(request, replicas)
         self.policy.on_routed(request, decision)
+        if self.config.admission == "shortest_first":
+            decision = dataclasses.replace(decision, shortest_first=True)
         return decision
 
     @hookimpl

