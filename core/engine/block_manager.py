@@ -78,6 +78,8 @@ __all__ = [
     "UnknownSequenceError",
 ]
 
+_RECENT_HASHES = 8192  # block hashes remembered (about 2.5 MB), all forgotten at once when full
+
 Salt: TypeAlias = str | bytes | None
 
 
@@ -158,6 +160,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._event_bus = event_bus
         self._hash_fn = hash_fn
+        # recent (parent, tokens, salt) -> hash: a scheduler asks can_allocate, then allocate, for one
+        # prompt, and a prompt sent again hashes its blocks again; a dict lookup is a tenth of a hash
+        self._recent_hashes: dict[tuple[bytes | None, tuple[int, ...], bytes], bytes] = {}
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._policy: EvictionPolicy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
@@ -577,7 +582,7 @@ class BlockManager:
         parent: bytes | None = None
         for start in range(0, max_tokens - size + 1, size):
             block_tokens = tuple(token_ids[start : start + size])
-            block_hash = self._hash_fn(parent, block_tokens, salt if parent is None else b"")
+            block_hash = self._block_hash(parent, block_tokens, salt if parent is None else b"")
             block_id = self._hash_to_block.get(block_hash)
             entry = None
             if block_id is not None:
@@ -594,6 +599,16 @@ class BlockManager:
             match.tier_entries.append(entry)
             parent = block_hash
         return match
+
+    def _block_hash(self, parent: bytes | None, block_tokens: tuple[int, ...], salt: bytes) -> bytes:
+        key = (parent, block_tokens, salt)
+        block_hash = self._recent_hashes.get(key)
+        if block_hash is None:
+            block_hash = self._hash_fn(parent, block_tokens, salt)
+            if len(self._recent_hashes) >= _RECENT_HASHES:
+                self._recent_hashes.clear()
+            self._recent_hashes[key] = block_hash
+        return block_hash
 
     def _allocate(
         self, seq_id: Hashable, token_ids: Sequence[int], salt: Salt, *, max_cached_tokens: int
@@ -851,7 +866,7 @@ class BlockManager:
         run: list[_Block] = []
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
             block_tokens = tuple(seq.token_ids[index * size : (index + 1) * size])
-            block_hash = self._hash_fn(parent, block_tokens, seq.salt if parent is None else b"")
+            block_hash = self._block_hash(parent, block_tokens, seq.salt if parent is None else b"")
             seq.block_hashes.append(block_hash)
             block = self._blocks[seq.block_table[index]]
             # content already cached by another block (or a collision): this block stays private

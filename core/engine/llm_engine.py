@@ -324,6 +324,10 @@ class LLMEngine:
                 assert logits is not None
                 parts.append(logits[row : row + len(chunk.draft) + 1].float().cpu())
                 row += len(chunk.draft) + 1
+        if len(parts) == 1:
+            # one kept row alone: a copy (grammars and penalties change rows in place) by numpy, whose
+            # memcpy wakes no OpenMP team (torch's clone: 67 against 9 us on the engine's thread)
+            return torch.from_numpy(parts[0].numpy().copy())
         return torch.cat(parts)
 
     def _captured(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:

@@ -21,6 +21,7 @@ from loopstack.engine.seams.kv_events import (
     BlockStored,
     KVCacheEvent,
     KVEventBus,
+    hash_block_tokens,
     hash_token_blocks,
 )
 
@@ -49,6 +50,26 @@ def test_hash_match_with_different_tokens_is_a_miss() -> None:
     _computed(bm, "a", [1, 2, 3])
     assert bm.allocate("b", [7, 8, 9]).num_cached_tokens == 0
     assert bm.allocate("c", [1, 2, 9]).num_cached_tokens == 2
+
+
+def test_each_block_is_hashed_once_while_it_is_remembered() -> None:
+    calls: Counter[tuple[int, ...]] = Counter()
+
+    def counting(parent: bytes | None, tokens: Sequence[int], salt: bytes) -> bytes:
+        calls[tuple(tokens)] += 1
+        return hash_block_tokens(parent, tokens, salt)
+
+    bm = BlockManager(num_blocks=16, block_size=2, hash_fn=counting)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    assert bm.can_allocate(prompt)  # the scheduler asks, then allocates, then the prefill registers
+    bm.allocate("a", prompt)
+    bm.mark_computed("a", prompt)
+    bm.free("a")
+    assert bm.can_allocate(prompt)  # the same prompt again
+    assert bm.allocate("b", prompt).num_cached_tokens == 6
+    assert calls == {(1, 2): 1, (3, 4): 1, (5, 6): 1}
+    _computed(bm, "c", [1, 2, 9, 9], salt="tenant")  # a salt is part of the hash
+    assert calls[(1, 2)] == 2
 
 
 def test_salt_isolates_tenants() -> None:

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from loopstack.engine.errors import ChatTemplateError, UnsupportedTokenizerError
 from loopstack.engine.text.chat_templates import default_chat_template
+from loopstack.engine.text.segment_cache import SegmentCache
 from loopstack.engine.text.spm_tokenizer import TokenType, sentencepiece_backend
 
 __all__ = ["IncrementalDecoder", "Tokenizer", "gguf_eos_token_ids"]
@@ -66,6 +67,8 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        # a rendered conversation is encoded message by message, earlier messages from memory
+        self.segments = SegmentCache.for_backend(backend)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -145,6 +148,8 @@ class Tokenizer:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are
         recognized; ``add_special_tokens`` adds the model's BOS where the model wants one
         (leave it off for rendered chat templates, which write their own)."""
+        if self.segments is not None and not add_special_tokens:
+            return self.segments.encode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
