@@ -23,8 +23,13 @@ batch. A sequence number that goes back (0 after a restart) or a new ``publisher
 engine: cleared first, then whatever it published before the batch in hand is replayed. A payload
 that does not decode is logged and counted, and clears the replica too (its changes are lost).
 
-The first batch the feed sees is taken as it comes: what the engine cached before is unknown (its
-children are skipped as unknown parents), an under-estimate that heals as the cache turns over.
+A feed that starts beside a running engine (a router started or restarted while vLLM serves)
+catches up first: when its first batch is not batch #0 it asks the replay socket for everything
+before it and applies what the engine still holds, from its oldest buffered batch on (vLLM keeps
+``buffer_steps``, 10,000 by default). Applied in order, any such tail of the history gives a
+correct picture of the blocks it names; blocks stored before the tail stay unknown (their children
+are skipped as unknown parents), an under-estimate that heals as the cache turns over. Without a
+replay socket, or if the catch-up times out, the first batch is taken as it comes, as before.
 
 The feed runs on its own daemon thread, which calls ``listener(replica_index, event)`` for every
 translated event in order; hand events off from there if the consumer is not thread-safe. Nothing
@@ -89,6 +94,9 @@ class VLLMEventFeedStatistics(NamedTuple):
     skipped_unknown_parent: int  # BlockStored events whose parent block was never seen
     decode_errors: int  # messages that were not a vLLM event batch
     restarts: int  # the sequence went back, or the publisher id changed
+    catch_ups: int  # replays asked for at start, of what the engine published before the first batch seen
+    catch_up_failures: int  # of those, the ones that timed out or came back malformed (nothing was applied)
+    catch_up_batches: int  # batches they applied
     unknown_events: int  # events of types the decoder does not know, skipped
     listener_errors: int
 
@@ -234,6 +242,8 @@ class VLLMEventFeed:
         if last is not None and seq > last + 1:
             self._count("gaps")
             self._recover(last + 1, seq)
+        elif last is None and seq > 0 and self.replay_endpoint is not None:
+            self._catch_up(seq)
         if batch is None:
             self._clear()  # what the lost batch changed is unknown
         else:
@@ -258,8 +268,21 @@ class VLLMEventFeed:
         for batch in batches:
             self._apply(batch)
 
-    def _replay(self, start: int, stop: int) -> list[VLLMEventBatch] | None:
-        """The batches ``start`` to ``stop - 1`` from the replay socket, all of them or None."""
+    def _catch_up(self, stop: int) -> None:
+        """Apply what the engine still holds of batches 0 to ``stop - 1`` (the feed's first batch is #stop)."""
+        self._count("catch_ups")
+        batches = self._replay(0, stop, tail=True)
+        if batches is None:
+            self._count("catch_up_failures")
+            return  # taken as it comes: nothing known is wrong, only less is known
+        for batch in batches:
+            self._apply(batch)
+        with self._lock:
+            self._counts["catch_up_batches"] += len(batches)
+
+    def _replay(self, start: int, stop: int, *, tail: bool = False) -> list[VLLMEventBatch] | None:
+        """The batches ``start`` to ``stop - 1`` from the replay socket, all of them or None;
+        ``tail``: a contiguous run ending at ``stop - 1`` from wherever the engine's buffer begins."""
         assert self.replay_endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
         payloads: list[bytes] = []
@@ -283,12 +306,16 @@ class VLLMEventFeed:
                 seq, payload = int.from_bytes(frames[-2], "big", signed=True), frames[-1]
                 if seq == _END_OF_REPLAY or not payload:
                     break
+                if tail and not payloads and start <= seq < stop:
+                    start = seq  # the oldest batch the engine still holds
                 if start + len(payloads) <= seq < stop:
                     if seq != start + len(payloads):
                         break  # the engine no longer holds the batches in between
                     payloads.append(payload)
         finally:
             dealer.close(linger=0)
+        if tail and not payloads:
+            return []  # the engine holds nothing from before ``stop``
         if len(payloads) != stop - start:
             logger.warning("vLLM replica %d: replay returned %d of batches #%d-#%d", self.replica_index,
                            len(payloads), start, stop - 1)

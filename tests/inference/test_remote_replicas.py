@@ -161,6 +161,27 @@ def test_a_real_vllm_replica_routes_on_its_own_kv_events(tmp_path):
         assert stats.reasons.get("cache_hit", 0) >= 1
         assert second[-1].usage.cached_prompt_tokens == 384  # 3 blocks of 128, as the index predicted
         assert stats.predicted_cached_tokens >= 384 and stats.cached_tokens >= 384
+
+        # a router started beside the running engine catches up on what vLLM cached before it existed
+        router.shutdown()
+        stack.close()
+        (tmp_path / "restarted").mkdir()
+        stack = runtime(tmp_path / "restarted")
+        router = start_remote_router(specs, model=MODEL, block_size=128, hooks_of=lambda: stack.hooks,
+                                     router_options=RouterOptions(health_interval_s=0.5))
+        wait_until(lambda: router.statistics().is_healthy[0], timeout=30, what="vLLM to rejoin")
+        other = router.tokenizer.encode("A short note on tides and the moon. " * 40)[:300]
+
+        async def after_restart():
+            await collect(router, other, key=None)  # vLLM's next events reach the new router, which catches up
+            index = stack.instance("cache_routing").index
+            # the first prompt's 3 blocks (from the catch-up) and the note's 2
+            await asyncio.to_thread(wait_until, lambda: index.statistics().num_entries >= 5, 30, "the catch-up")
+            return await collect(router, ids[:400] + [21, 22, 23], key=None)
+
+        third = asyncio.run(after_restart())
+        assert third[-1].usage.cached_prompt_tokens == 384
+        assert router.statistics().predicted_cached_tokens >= 384  # known from the catch-up alone
     finally:
         router.shutdown()
         if vllm is not None:

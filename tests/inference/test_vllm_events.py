@@ -275,11 +275,11 @@ class FakeVLLM:
         if send:
             self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
 
-    def join(self, feed):
-        """Publish empty batches until the feed handles the latest one (ZeroMQ drops what a PUB sends
-        before the subscription reaches it); returns the next sequence number."""
+    def join(self, feed, start=0):
+        """Publish empty batches from ``start`` until the feed handles the latest one (ZeroMQ drops
+        what a PUB sends before the subscription reaches it); returns the next sequence number."""
         deadline = time.monotonic() + 10
-        for seq in range(1_000_000):
+        for seq in range(start, 1_000_000):
             assert time.monotonic() < deadline, "the feed never received a probe"
             self.publish(seq, [])
             if poll(lambda: feed.last_sequence_number == seq, timeout_s=0.2, fail=False):
@@ -404,7 +404,7 @@ def test_the_feed_replays_a_missed_batch_and_applies_each_batch_once(context, op
     vllm.publish(n + 4, [vllm_stored([5], 4, PROMPT[16:20])])  # needs block 4 from the lost batch
     poll(lambda: feed.last_sequence_number == n + 4)
     stats = feed.statistics()
-    assert server.requests == [n + 3]
+    assert server.requests == [0] * stats.catch_ups + [n + 3]  # a catch-up at start, if the first probe seen was not #0
     assert (stats.batches - before.batches, stats.gaps, stats.replays, stats.replay_failures) == (5, 1, 1, 0)
     assert listener.index.match(hash_token_blocks(PROMPT, 4)) == {0: 5}
     assert listener.index.statistics().num_blocks_per_replica == (5,)  # OTHER's block was removed
@@ -412,6 +412,62 @@ def test_the_feed_replays_a_missed_batch_and_applies_each_batch_once(context, op
     last_block = hash_token_blocks(PROMPT, 4)[4]
     assert [e.block_hashes for e in listener.events if isinstance(e, BlockStored)].count((last_block,)) == 1
     assert not any(isinstance(e, AllBlocksCleared) for e in listener.events)
+
+
+def test_a_feed_started_beside_a_running_engine_catches_up_on_its_history(context, open_feed, servers):
+    listener = Listener()
+    server = ReplayServer(context)
+    servers.append(server)
+    feed = open_feed(listener, replay_endpoint=server.endpoint)
+    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+    # what the engine published before this router existed
+    vllm.publish(0, [vllm_stored([1, 2], None, PROMPT[:8])], send=False)
+    vllm.publish(1, [vllm_stored([50], None, OTHER)], send=False)
+    vllm.publish(2, [vllm_stored([3], 2, PROMPT[8:12]), vllm_removed([50])], send=False)
+    n = vllm.join(feed, start=3)
+    vllm.publish(n, [vllm_stored([4], 3, PROMPT[12:16])])  # its parent is in the history
+    poll(lambda: feed.last_sequence_number == n)
+    stats = feed.statistics()
+    assert server.requests[0] == 0 and (stats.catch_ups, stats.catch_up_failures) == (1, 0)
+    assert stats.catch_up_batches >= 3 and stats.gaps == 0
+    assert listener.index.match(hash_token_blocks(PROMPT, 4)) == {0: 4}
+    assert listener.index.match(hash_token_blocks(OTHER, 4)) == {}  # stored and removed before the start
+    assert stats.skipped_unknown_parent == 0
+
+
+def test_a_catch_up_applies_the_tail_the_engine_still_holds(context, open_feed, servers):
+    listener = Listener()
+    server = ReplayServer(context)
+    servers.append(server)
+    feed = open_feed(listener, replay_endpoint=server.endpoint)
+    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+    vllm.publish(0, [vllm_stored([1, 2], None, PROMPT[:8])], send=False)
+    vllm.publish(1, [vllm_stored([50], None, OTHER)], send=False)
+    vllm.publish(2, [vllm_stored([3], 2, PROMPT[8:12])], send=False)
+    with vllm.lock:
+        del vllm.buffer[0]  # past the engine's replay buffer
+    n = vllm.join(feed, start=3)
+    poll(lambda: feed.last_sequence_number == n - 1)
+    stats = feed.statistics()
+    assert (stats.catch_ups, stats.catch_up_failures) == (1, 0) and stats.catch_up_batches >= 2
+    assert listener.index.match(hash_token_blocks(OTHER, 4)) == {0: 1}
+    assert listener.index.match(hash_token_blocks(PROMPT, 4)) == {}  # its first blocks were in batch #0
+    assert stats.skipped_unknown_parent == 1
+    assert not any(isinstance(e, AllBlocksCleared) for e in listener.events)
+
+
+def test_a_catch_up_that_times_out_leaves_the_feed_as_it_was(context, open_feed, servers):
+    listener = Listener()
+    server = ReplayServer(context, answers=False)
+    servers.append(server)
+    feed = open_feed(listener, replay_endpoint=server.endpoint, replay_timeout_s=0.2)
+    vllm = FakeVLLM(context, feed.endpoint)
+    n = vllm.join(feed, start=5)
+    vllm.publish(n, [vllm_stored([50], None, OTHER)])
+    poll(lambda: feed.last_sequence_number == n)
+    stats = feed.statistics()
+    assert (stats.catch_ups, stats.catch_up_failures, stats.catch_up_batches) == (1, 1, 0)
+    assert listener.index.match(hash_token_blocks(OTHER, 4)) == {0: 1}
 
 
 def test_without_a_replay_socket_a_gap_clears_the_replica(context, open_feed):
@@ -473,7 +529,7 @@ def test_a_restart_seen_late_replays_what_the_new_engine_published_first(context
     vllm.publish(0, [vllm_stored([50], None, OTHER)], send=False)  # the new engine's first batch, missed
     vllm.publish(1, [vllm_stored([51], 50, [8, 8, 8, 8])])
     poll(lambda: feed.last_sequence_number == 1)
-    assert server.requests == [0]
+    assert server.requests == [0] * (1 + feed.statistics().catch_ups)
     assert feed.statistics().restarts == 1
     assert listener.index.match(hash_token_blocks(PROMPT, 4)) == {}
     assert listener.index.match(hash_token_blocks(OTHER + [8, 8, 8, 8], 4)) == {0: 2}
