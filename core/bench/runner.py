@@ -26,6 +26,8 @@ class BenchResult:
     config: dict[str, Any]
     # the workload's ratio_pairs: "a/b" -> metric -> a's figure over b's
     pair_ratios: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # every round's figure before aggregation: metric -> column -> one value a round, in round order
+    rounds: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -35,6 +37,7 @@ class BenchResult:
             "ratios": self.ratios,
             "pair_ratios": self.pair_ratios,
             "config": self.config,
+            "rounds": self.rounds,
         }
 
     def write_json(self, path: Path) -> None:
@@ -91,4 +94,5 @@ async def run_bench(
         "cpus": os.cpu_count(),
         **workload.config(),
     }
-    return BenchResult(workload.name, columns, metrics, ratios, config, pair_ratios)
+    rounds = {m: {c: samples[c][m] for c in columns if m in samples[c]} for m in names}
+    return BenchResult(workload.name, columns, metrics, ratios, config, pair_ratios, rounds)

@@ -37,8 +37,10 @@ def test_runner_alternates_and_computes_ratios(catalog, write_stack):
     assert result.ratios["value"] == 2.0
     assert result.ratios["only_first"] is None  # missing in the last column: no ratio
     payload = result.to_json()
-    assert set(payload) == {"workload", "columns", "metrics", "ratios", "pair_ratios", "config"}
+    assert set(payload) == {"workload", "columns", "metrics", "ratios", "pair_ratios", "config", "rounds"}
     assert payload["config"]["steps"] == 4 and payload["pair_ratios"] == {}
+    assert payload["rounds"]["value"] == {"first": [1.0] * 4, "second": [2.0] * 4}  # every round kept
+    assert payload["rounds"]["only_second"] == {"second": [1.0] * 4}
 
 
 def test_a_workloads_own_ratio_pairs_are_computed_and_printed(catalog, write_stack):
