@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,6 +23,20 @@ SHARED_DATA = Path(os.environ.get("LOOPSTACK_SHARED_DATA", Path(__file__).resolv
 
 class BenchOptionError(ValueError):
     """A workload's ``-o KEY=VALUE`` option is unknown or has a bad value (the CLI prints it)."""
+
+
+def named_subset(extra: dict[str, Any], option: str, allowed: Sequence[str], *, noun: str = "name") -> list[str]:
+    """The names ``-o option=a,b`` picks from ``allowed``, in the order given (all of ``allowed``
+    when the option is unset). Raises BenchOptionError naming the option, the unknown names and
+    the allowed ones."""
+    if option not in extra:
+        return list(allowed)
+    names = [name.strip() for name in str(extra[option]).split(",") if name.strip()]
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise BenchOptionError(f"unknown {noun}(s) {', '.join(unknown) or '(none given)'} in -o {option}; "
+                               f"expected some of {', '.join(allowed)}")
+    return names
 
 
 @dataclass

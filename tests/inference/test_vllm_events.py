@@ -364,6 +364,21 @@ def servers():
         server.close()
 
 
+@pytest.fixture
+def replayed(context, open_feed, servers):
+    """A feed with a replay server and a fake vLLM beside it: (listener, server, feed, vllm)."""
+
+    def make(*, answers=True, **feed_options):
+        listener = Listener()
+        server = ReplayServer(context, answers=answers)
+        servers.append(server)
+        feed = open_feed(listener, replay_endpoint=server.endpoint, **feed_options)
+        vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+        return listener, server, feed, vllm
+
+    return make
+
+
 def poll(condition, *, timeout_s=10.0, fail=True):
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -389,12 +404,8 @@ PROMPT = list(range(100, 120))  # five blocks of 4
 OTHER = [7, 7, 7, 7]
 
 
-def test_the_feed_replays_a_missed_batch_and_applies_each_batch_once(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context, answers=True)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint)
-    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+def test_the_feed_replays_a_missed_batch_and_applies_each_batch_once(replayed):
+    listener, server, feed, vllm = replayed()
     n = vllm.join(feed)
     before = feed.statistics()
     vllm.publish(n, [vllm_stored([1, 2], None, PROMPT[:8])])
@@ -414,12 +425,8 @@ def test_the_feed_replays_a_missed_batch_and_applies_each_batch_once(context, op
     assert not any(isinstance(e, AllBlocksCleared) for e in listener.events)
 
 
-def test_a_feed_started_beside_a_running_engine_catches_up_on_its_history(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint)
-    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+def test_a_feed_started_beside_a_running_engine_catches_up_on_its_history(replayed):
+    listener, server, feed, vllm = replayed()
     # what the engine published before this router existed
     vllm.publish(0, [vllm_stored([1, 2], None, PROMPT[:8])], send=False)
     vllm.publish(1, [vllm_stored([50], None, OTHER)], send=False)
@@ -435,12 +442,8 @@ def test_a_feed_started_beside_a_running_engine_catches_up_on_its_history(contex
     assert stats.skipped_unknown_parent == 0
 
 
-def test_a_catch_up_applies_the_tail_the_engine_still_holds(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint)
-    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+def test_a_catch_up_applies_the_tail_the_engine_still_holds(replayed):
+    listener, server, feed, vllm = replayed()
     vllm.publish(0, [vllm_stored([1, 2], None, PROMPT[:8])], send=False)
     vllm.publish(1, [vllm_stored([50], None, OTHER)], send=False)
     vllm.publish(2, [vllm_stored([3], 2, PROMPT[8:12])], send=False)
@@ -456,12 +459,8 @@ def test_a_catch_up_applies_the_tail_the_engine_still_holds(context, open_feed, 
     assert not any(isinstance(e, AllBlocksCleared) for e in listener.events)
 
 
-def test_a_catch_up_that_times_out_leaves_the_feed_as_it_was(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context, answers=False)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint, replay_timeout_s=0.2)
-    vllm = FakeVLLM(context, feed.endpoint)
+def test_a_catch_up_that_times_out_leaves_the_feed_as_it_was(replayed):
+    listener, server, feed, vllm = replayed(answers=False, replay_timeout_s=0.2)
     n = vllm.join(feed, start=5)
     vllm.publish(n, [vllm_stored([50], None, OTHER)])
     poll(lambda: feed.last_sequence_number == n)
@@ -487,12 +486,8 @@ def test_without_a_replay_socket_a_gap_clears_the_replica(context, open_feed):
     assert (stats.gaps, stats.replays, stats.skipped_unknown_parent) == (1, 0, 1)
 
 
-def test_a_replay_that_times_out_clears_the_replica(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context, answers=False)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint, replay_timeout_s=0.2)
-    vllm = FakeVLLM(context, feed.endpoint)
+def test_a_replay_that_times_out_clears_the_replica(replayed):
+    listener, server, feed, vllm = replayed(answers=False, replay_timeout_s=0.2)
     n = vllm.join(feed)
     vllm.publish(n, [vllm_stored([1, 2], None, PROMPT[:8])])
     vllm.publish(n + 2, [vllm_stored([50], None, OTHER)])  # n + 1 never sent
@@ -517,12 +512,8 @@ def test_a_restarted_engine_clears_the_replica(context, open_feed):
     assert listener.index.match(hash_token_blocks(OTHER, 4)) == {0: 1}
 
 
-def test_a_restart_seen_late_replays_what_the_new_engine_published_first(context, open_feed, servers):
-    listener = Listener()
-    server = ReplayServer(context)
-    servers.append(server)
-    feed = open_feed(listener, replay_endpoint=server.endpoint)
-    vllm = server.vllm = FakeVLLM(context, feed.endpoint)
+def test_a_restart_seen_late_replays_what_the_new_engine_published_first(replayed):
+    listener, server, feed, vllm = replayed()
     n = vllm.join(feed)
     vllm.publish(n, [vllm_stored([1, 2], None, PROMPT[:8])])
     poll(lambda: feed.last_sequence_number == n)

@@ -123,3 +123,15 @@ def test_workloads_come_from_the_discovery_hook_and_names_are_unique(catalog):
 def test_cli_bench_option_must_be_key_value():
     with pytest.raises(SystemExit, match="--option takes KEY=VALUE"):
         main(["bench", "--workload", "kernel", "--option", "turns"])
+
+
+def test_an_option_names_a_subset_in_its_own_order():
+    from loopstack.bench.workload import BenchOptionError, named_subset
+
+    allowed = ("off", "ngram", "suffix")
+    assert named_subset({}, "columns", allowed) == ["off", "ngram", "suffix"]
+    assert named_subset({"columns": "suffix, off"}, "columns", allowed) == ["suffix", "off"]
+    with pytest.raises(BenchOptionError, match=r"unknown column\(s\) draft in -o columns; expected some of off, ngram"):
+        named_subset({"columns": "off,draft"}, "columns", allowed, noun="column")
+    with pytest.raises(BenchOptionError, match="none given"):
+        named_subset({"columns": " , "}, "columns", allowed)

@@ -25,7 +25,7 @@ import importlib.util
 import os
 from typing import Any
 
-from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload, named_subset
 from loopstack.stack.schema import ResolvedStack
 
 PREFILL_TOKENS = 1024
@@ -110,14 +110,9 @@ class EngineWorkload(Workload):
 
     @staticmethod
     def _chosen(columns: list[str], options: BenchOptions) -> list[str]:
-        wanted = options.extra.get("backends")
-        if not wanted:
+        if "backends" not in options.extra:
             return list(columns)
-        names = [n.strip() for n in str(wanted).split(",") if n.strip()]
-        unknown = [n for n in names if n not in (*IN_PROCESS, *SERVERS)]
-        if unknown:
-            raise BenchOptionError(f"unknown backend(s) {', '.join(unknown)} in -o backends; "
-                                   f"expected some of {', '.join((*IN_PROCESS, *SERVERS))}")
+        names = named_subset(options.extra, "backends", (*IN_PROCESS, *SERVERS), noun="backend")
         missing = [n for n in names if n not in columns]
         if missing:
             raise BenchOptionError(f"{', '.join(missing)} need(s) llama-cpp-python, which is not installed "

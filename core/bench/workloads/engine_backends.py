@@ -16,6 +16,7 @@ from loopstack.stack.schema import EngineTable
 
 class Backend(Protocol):
     supports_batch: bool
+    keeps_prompts: bool  # a prompt sent again reuses its cached prefix (transformers: no cache)
 
     def reset_cache(self) -> None: ...
     def prefill(self, prompt: list[int]) -> None: ...
@@ -25,6 +26,7 @@ class Backend(Protocol):
 
 class LoopstackBackend:
     supports_batch = True
+    keeps_prompts = True
 
     def __init__(self, config: EngineTable) -> None:
         self.config = config
@@ -61,6 +63,7 @@ class TransformersBackend:
     ``Gemma3ForCausalLM``, ...) with the same weights; its own KV cache per call."""
 
     supports_batch = True
+    keeps_prompts = False
 
     def __init__(self, float_model: Any) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,6 +110,7 @@ class LlamaCppBackend:
     prompt (its own prompt cache) and decodes one sequence at a time."""
 
     supports_batch = False
+    keeps_prompts = True
 
     def __init__(self, gguf_path: Any, threads: int) -> None:
         from llama_cpp import Llama

@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from loopstack.bench.workloads.engine_prompts import EnginePrompts
-from loopstack.bench.workloads.engine_worker import CACHED_TTFT_REPEATS
+from loopstack.bench.workloads.engine_prompts import CACHED_TTFT_REPEATS, EnginePrompts
 
 __all__ = ["HttpBackend", "StreamTiming"]
 

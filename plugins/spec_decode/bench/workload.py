@@ -36,25 +36,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload
+from loopstack.bench.workload import BenchOptionError, BenchOptions, Workload, named_subset
 from loopstack.plugins.spec_decode.bench.prompts import SpecPrompt, agent_prompts, chat_prompts
 
 __all__ = ["SpecWorkload"]
 
 COLUMNS = ("off", "ngram", "suffix", "draft_model")
 GROUPS = ("agent_b1", "chat_b1", "agent_b8", "chat_b8")
-
-
-def _pick(extra: dict[str, Any], option: str, allowed: tuple[str, ...]) -> list[str]:
-    """The comma-separated subset of ``allowed`` that option ``option`` names (all when unset)."""
-    if option not in extra:
-        return list(allowed)
-    named = [name.strip() for name in str(extra[option]).split(",") if name.strip()]
-    unknown = [name for name in named if name not in allowed]
-    if unknown or not named:
-        raise BenchOptionError(f"spec option {option}: {', '.join(unknown) or 'nothing named'}; "
-                               f"allowed: {', '.join(allowed)}")
-    return named
 
 
 @dataclass
@@ -113,11 +101,11 @@ class SpecWorkload(Workload):
             raise BenchOptionError(f"spec options: {exc}") from None
         if settings["step_cost"] not in ("measure", "default"):
             raise BenchOptionError(f"spec option step_cost: {settings['step_cost']!r}; allowed: measure, default")
-        chosen = _pick(extra, "columns", COLUMNS)
+        chosen = named_subset(extra, "columns", COLUMNS, noun="column")
         if "off" not in chosen:
             raise BenchOptionError("spec option columns: every proposer is measured against 'off'; include it")
         columns[:] = [c for c in columns if c in chosen]
-        groups = _pick(extra, "groups", GROUPS)
+        groups = named_subset(extra, "groups", GROUPS, noun="group")
         self._settings = settings
         trajectories = options.data_dir / "trajectories"
         if not trajectories.is_dir():
