@@ -29,11 +29,23 @@ def timed(obj: Any, name: str, key: str, totals: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def prompt_ids(tokenizer: Any, num_tokens: int, variant: int) -> list[int]:
+    if num_tokens <= 0:
+        return list(tokenizer.encode(f"The history of the printing press, part {variant}"))
+    from pathlib import Path
+
+    from loopstack.bench.workloads.engine_prompts import bench_prompt_ids
+    return bench_prompt_ids(tokenizer, num_tokens, Path(__file__).resolve().parents[2] / "shared" / "data",
+                            variant=10 + variant)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompts of this many tokens of real text (the engine bench's 128); 0: a short sentence")
     args = parser.parse_args()
 
     from loopstack.engine.factory import build_engine
@@ -48,8 +60,8 @@ def main() -> None:
     timed(model, "_logits", "final norm + head", totals)
     timed(engine, "_sample", "sampling + appending", totals)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens + 1, ignore_eos=True)
-    seqs = [engine.add_request(f"profile-{i}", engine.tokenizer.encode(f"The history of the printing press, part {i}"),
-                               params) for i in range(args.batch)]
+    seqs = [engine.add_request(f"profile-{i}", prompt_ids(engine.tokenizer, args.prompt_tokens, i), params)
+            for i in range(args.batch)]
     while not all(s.output_token_ids for s in seqs):  # prefill and the first token are not decode
         engine.step()
     totals.clear()

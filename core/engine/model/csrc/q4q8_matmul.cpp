@@ -55,7 +55,10 @@ template <int Bits, int R>
 void tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int64_t r0, int64_t groups,
                float* out, int64_t out_stride) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  // every loop over the rows unrolled, this one and the store's too: else GCC keeps acc[] on the
+  // stack, a store and a load of each row's sums a group (8-row tiles: 1.25x as long, in cache)
   __m512 acc[R];
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t distance = r0 == 0 ? q4q8::prefetch_bytes() : 0;  // later passes: in cache already
   for (int64_t g = 0; g < groups; ++g) {
@@ -97,6 +100,7 @@ void tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[i]);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * out_stride, acc[i]);
 }
 #else
