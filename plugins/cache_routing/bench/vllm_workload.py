@@ -24,7 +24,9 @@ hash policy is measured on as many draws, and its mean is what a user should exp
 
 Options: ``-o conversations=N`` (default 12; ``--quick``: 4), ``-o span_s=S`` (60; ``--quick``: 10),
 ``-o max_turns=N`` (4), ``-o columns=a,b`` (some of the columns, in that order: more rounds of the
-ones compared in the same time).
+ones compared in the same time); any other ``-o KEY=VALUE`` naming a ``[plugins.cache_routing]``
+option (``queue_weight``, ``running_weight``, ...) changes loopstack's ``cache_aware`` columns, to try
+other weights on the same servers.
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class VllmRoutingWorkload(Workload):
         self._texts: dict[LiveRequest, str] = {}
         self._ids: dict[LiveRequest, list[int]] = {}
         self._tmp: Any = None
+        self._overrides = ""  # TOML lines the cache_aware columns get (-o queue_weight=... and so on)
+
+    def _table(self, column: str) -> tuple[str, bool]:
+        table, precise = COLUMNS[column]
+        if column.startswith("loopstack_") and 'policy = "cache_aware"' in table and self._overrides:
+            table = f"{table}\n{self._overrides}"
+        return table, precise
 
     def columns(self, stacks: list[ResolvedStack]) -> list[str]:
         return list(COLUMNS)
@@ -87,6 +96,7 @@ class VllmRoutingWorkload(Workload):
         if vllm_router_path() is None:
             raise BenchOptionError("routing-vllm needs vllm-router: pip install -e '.[bench]'")
         columns[:] = named_subset(options.extra, "columns", list(COLUMNS), noun="column")
+        self._overrides = _overrides(options.extra)
         extra = dict(options.extra)
         extra.setdefault("conversations", "4" if options.quick else "12")
         self._replay = _replay(dataclasses.replace(options, extra=extra))
@@ -116,7 +126,7 @@ class VllmRoutingWorkload(Workload):
         async with httpx.AsyncClient(timeout=30.0) as client:
             for server in self._servers:
                 await _empty_prefix_cache(client, server.url)
-        table, precise = COLUMNS[column]
+        table, precise = self._table(column)
         sessions = {request: f"{request.key}#{index}" for request in self._replay}
         if column.startswith("loopstack_"):
             return await self._loopstack(column, table, precise, sessions)
@@ -184,7 +194,29 @@ class VllmRoutingWorkload(Workload):
                 "block_size": BLOCK_SIZE, "requests": len(self._replay),
                 "replay_span_s": self._replay[-1].at_s if self._replay else 0,
                 "session_ids": "the conversation's, suffixed #round (a new hash draw every round)",
-                "policies": {column: table for column, (table, _) in COLUMNS.items()}}
+                "policies": {column: self._table(column)[0] for column in COLUMNS}}
+
+
+def _overrides(extra: dict[str, Any]) -> str:
+    """The ``-o`` options naming ``[plugins.cache_routing]`` fields, checked, as TOML lines."""
+    import json
+
+    from pydantic import ValidationError
+
+    from loopstack.plugins.cache_routing.config import CacheRoutingConfig
+
+    own = {"conversations", "span_s", "max_turns", "columns"}
+    fields = set(CacheRoutingConfig.model_fields) - {"policy", "mode", "enabled"}
+    unknown = set(extra) - own - fields
+    if unknown:
+        raise BenchOptionError(f"--workload routing-vllm: unknown option(s) {sorted(unknown)}; options: "
+                               f"{', '.join(sorted(own))}, {', '.join(sorted(fields))}")
+    chosen = {key: value for key, value in extra.items() if key in fields}
+    try:
+        typed = CacheRoutingConfig(policy="cache_aware", **chosen).model_dump(include=set(chosen))
+    except ValidationError as exc:
+        raise BenchOptionError(f"--workload routing-vllm: {exc}") from None
+    return "\n".join(f"{key} = {json.dumps(value)}" for key, value in typed.items())
 
 
 async def _empty_prefix_cache(client: Any, url: str, timeout_s: float = 60.0) -> None:

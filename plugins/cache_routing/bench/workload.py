@@ -23,8 +23,8 @@ eviction policy, default ``lru``, the engine's own without the ``kv_cache`` plug
 ``[plugins.cache_routing]`` option (``queue_weight``, ``running_weight``, ...) changes the
 ``cache_aware`` column, to try other weights on the same replay.
 
-Not built yet (issue 20): the live replay on embedded replicas, the llama.cpp and vLLM replicas, and
-vllm-router beside them.
+The live replays are other workloads: ``routing-live`` (embedded replicas), ``routing-remote``
+(llama.cpp servers) and ``routing-vllm`` (real vLLM servers), vllm-router beside loopstack's router.
 """
 
 from __future__ import annotations

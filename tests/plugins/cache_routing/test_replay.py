@@ -128,3 +128,19 @@ def test_agent_sessions_become_append_only_block_chains():
         shorter = min(len(before.hash_ids), len(after.hash_ids))
         assert before.hash_ids[:shorter] == after.hash_ids[:shorter]
     assert infinite_cache_hit_rate(requests) > 0.5  # agent loops resend their history
+
+
+def test_the_vllm_replay_passes_routing_options_to_loopstacks_cache_aware_columns_only():
+    from loopstack.bench.workload import BenchOptionError
+    from loopstack.plugins.cache_routing.bench.vllm_workload import VllmRoutingWorkload, _overrides
+
+    workload = VllmRoutingWorkload()
+    workload._overrides = _overrides({"queue_weight": "1", "columns": "loopstack_cache_aware"})
+    assert workload._overrides == "queue_weight = 1.0"  # typed by the config: a TOML float
+    assert workload._table("loopstack_cache_aware")[0].endswith("\nqueue_weight = 1.0")
+    assert "queue_weight" not in workload._table("loopstack_session_affinity")[0]
+    assert "queue_weight" not in workload._table("vllm_router_cache_aware")[0]
+    with pytest.raises(BenchOptionError, match="unknown option.*'queue_wieght'"):
+        _overrides({"queue_wieght": "1"})
+    with pytest.raises(BenchOptionError, match="queue_weight"):
+        _overrides({"queue_weight": "-1"})
