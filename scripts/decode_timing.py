@@ -1,4 +1,4 @@
-"""The decode-timing loop the engine A/B scripts share (``ab_prefetch.py``, ``ab_kv_dtype.py``,
+"""The decode-timing loop the engine A/B scripts share (``ab_knob.py``, ``ab_builds.py``, ``ab_kv_dtype.py``,
 ``gpu_check.py``): greedy requests added together, the prefill and first token run, then every
 decode step to the end timed."""
 

@@ -124,6 +124,33 @@ def test_a_q4q8_rows_logits_do_not_depend_on_the_batch():
     assert torch.equal(verify.step({"a": [40, 7, 8]}, all_logits=True)[0], plain.step({"a": [40]})[0])
 
 
+@pytest.mark.skipif(not has_q4q8(), reason="no AVX-512 VNNI here")
+@pytest.mark.parametrize("rows", ["decode", "verify"])
+def test_a_step_split_by_sequences_over_the_threads_gives_the_same_bits(rows):
+    """A step of several sequences may run one group of whole sequences per thread, every layer
+    without a section in between (q4q8_row_split): the same logits and the same cache, bit for bit."""
+    _, native = quantized_pair("q4q8", head="int8_rescored")
+    kernels = native.native_decoder._ext
+    prompts = {name: [3 + i, 9, 14, 3 + 2 * i, 7] for i, name in enumerate("abcde")}  # five: an uneven split
+    new = {name: ([40 + i] if rows == "decode" else [40 + i, 7, 8]) for i, name in enumerate(prompts)}
+    threads = torch.get_num_threads()
+    before = kernels.q4q8_row_split(-1)
+    results, caches = [], []
+    try:
+        torch.set_num_threads(2)
+        for split in (0, 4):
+            kernels.q4q8_row_split(split)
+            runner = PagedRunner(native)
+            runner.step(prompts)
+            results.append(runner.step(new, all_logits=True))
+            caches.append(runner.kv_cache)
+    finally:
+        kernels.q4q8_row_split(before)
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(caches[0], caches[1])
+
+
 def test_its_cache_is_float16_by_default_and_float32_on_request():
     python, native = quantized_pair("int4pack")
     assert python.kv_cache_dtype == torch.float32  # the Python layers: the model's dtype

@@ -24,11 +24,17 @@ def vllm_router_path() -> Path | None:
     return path if path.exists() else None
 
 
-async def _wait_ready(client: Any, url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+class RouterExited(RuntimeError):
+    """vllm-router stopped before it answered."""
+
+
+async def _wait_ready(client: Any, url: str, process: subprocess.Popen[bytes], log: Path,
+                      timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"vllm-router exited with {process.returncode}")
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RouterExited(f"vllm-router exited with {process.returncode}: " + (" | ".join(tail) or "no output"))
         with contextlib.suppress(Exception):
             if (await client.get(url)).status_code == 200:
                 return
@@ -36,31 +42,54 @@ async def _wait_ready(client: Any, url: str, process: subprocess.Popen[bytes], t
     raise TimeoutError("vllm-router did not come up")
 
 
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
+    if process.poll() is None:
+        process.kill()
+
+
 @contextlib.asynccontextmanager
-async def running_vllm_router(worker_urls: Sequence[str], policy: str, client: Any) -> AsyncIterator[str]:
+async def running_vllm_router(worker_urls: Sequence[str], policy: str, client: Any,
+                              attempts: int = 3) -> AsyncIterator[str]:
     """vllm-router with ``policy`` over ``worker_urls``, on loopback; yields its base URL once it
-    answers, and stops it afterwards."""
+    answers, and stops it afterwards. A router that exits while starting (a port taken between
+    choosing it and binding it) is started again on new ports, up to ``attempts`` times; the error
+    then carries its last lines of output."""
+    import tempfile
+
     from loopstack.bench.servers import free_port
 
     path = vllm_router_path()
     if path is None:
         raise FileNotFoundError("vllm-router is not installed here: pip install -e '.[bench]'")
-    port = free_port()
-    command = [str(path), "--worker-urls", *worker_urls, "--policy", policy,
-               "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
-               "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
-               "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        await _wait_ready(client, f"{url}/v1/models", process)
-        yield url
-    finally:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-        if process.poll() is None:
-            process.kill()
+    with tempfile.TemporaryDirectory(prefix="loopstack-vllm-router-") as folder:
+        log = Path(folder) / "router.log"
+        for attempt in range(attempts):
+            port = free_port()
+            command = [str(path), "--worker-urls", *worker_urls, "--policy", policy,
+                       "--host", "127.0.0.1", "--port", str(port), "--health-check-endpoint", "/health",
+                       "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port()),
+                       "--log-level", "warning"]
+            with log.open("wb") as output:
+                process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await _wait_ready(client, f"{url}/v1/models", process, log)
+            except RouterExited:
+                _stop(process)
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            except BaseException:
+                _stop(process)
+                raise
+            try:
+                yield url
+            finally:
+                _stop(process)
+            return
 
 
 async def stream_completion(client: Any, url: str, body: dict[str, Any], session: str) -> AsyncIterator[Chunk]:

@@ -123,6 +123,7 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden, const at::Tensor& cos, const at
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                               double scale, const std::vector<int64_t>& query_lens);  // q4q8_decode.cpp
 std::vector<double> q4q8_decode_profile(bool enable, bool reset);                     // q4q8_decode.cpp
+int64_t q4q8_row_split(int64_t rows);                                                 // q4q8_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while they run: the server's event loop streams tokens meanwhile
@@ -138,6 +139,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs the AVX-512 VNNI kernel");
   m.def("q4q8_prefetch", &q4q8_prefetch, py::arg("bytes"),
         "how far ahead (bytes of codes) the q4q8 kernels prefetch weights, 0: not at all; returns the setting before");
+  m.def("q4q8_row_split", &q4q8_row_split, py::arg("rows"),
+        "decode steps of at least this many rows over several sequences run one group of sequences per thread "
+        "(0: never; negative: leave it); returns the setting before");
   m.def("q4q8_use_amx", &q4q8_use_amx, py::arg("enabled"),
         "allow (or not) the AMX kernel for inputs of several rows; returns whether it is in use now");
 }

@@ -3,22 +3,26 @@
 //
 // The math of DecoderLayer.forward in llama.py with float32 activations, written as plain loops
 // over preallocated buffers: RMSNorm straight into the 8-bit codes the projection reads, rotary
-// on the q and k heads, the K/V write, attention (attend_rows.cpp), SwiGLU. Only the matmuls and
-// attention split work across threads (spin_pool.cpp); the rest is a few thousand floats per
-// row. No ATen op runs between the layers: at ~4 us each, the ~20 per layer of decode_layers.cpp
-// were a quarter of a SmolLM2-135M step on 2 cores. See native_decode.py for when it is used.
+// on the q and k heads, the K/V write, attention (attend_rows.cpp), SwiGLU. A step of a few rows
+// splits each matmul and attention across threads (spin_pool.cpp), the rest being a few thousand
+// floats per row; a step of several sequences and kRowSplitRows rows or more runs instead as one
+// group of whole sequences per thread, each group every layer on its own (no section, no wait
+// between the ~150 parts of a step; each row's operations the same either way). No ATen op runs
+// between the layers: at ~4 us each, the ~20 per layer of decode_layers.cpp were a quarter of a
+// SmolLM2-135M step on 2 cores. See native_decode.py for when it is used.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #include "attend_rows.h"
 #include "q4q8_matmul.h"
+#include "spin_pool.h"
 #include "vec_exp.h"
 
 namespace {
@@ -100,8 +104,9 @@ int64_t profiled_calls = 0;
 
 struct PartClock {
   std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  bool enabled = true;
   void lap(Part part) {
-    if (!profiling) return;
+    if (!profiling || !enabled) return;
     const auto now = std::chrono::steady_clock::now();
     part_ns[part] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
     last = now;
@@ -119,50 +124,54 @@ std::vector<double> q4q8_decode_profile(bool enable, bool reset) {
   return seconds;
 }
 
-// Arguments as decode_layers (decode_layers.cpp), the projections in q4q8's format: per layer,
-// input norm (scaled weight, eps term), qkv (packed, dm, bias or empty), o (packed, dm), post norm
-// (scaled weight, eps term), gate_up (packed, dm), down (packed, dm).
-at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const at::Tensor& sin,
-                              const at::Tensor& kv_slots, const at::Tensor& slot_mapping,
-                              const at::Tensor& block_tables, const std::vector<int64_t>& row_context_lens,
-                              int64_t contiguous_start, const std::vector<at::Tensor>& layer_weights,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              double scale, const std::vector<int64_t>& query_lens) {
-  c10::InferenceMode guard;
-  const int64_t num_layers = kv_slots.size(0), per_layer = 13;
-  TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == num_layers * per_layer, "expected ", per_layer,
-              " tensors per layer");
-  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kv_slots.is_contiguous() &&
-                  (kv_slots.scalar_type() == at::kFloat || kv_slots.scalar_type() == at::kHalf),
-              "float32 hidden states and rotary tables, a float32 or float16 cache");
-  const bool half_cache = kv_slots.scalar_type() == at::kHalf;
-  at::Tensor hidden_t = hidden_in.contiguous().clone();
-  const at::Tensor cos_t = cos.contiguous(), sin_t = sin.contiguous();
-  const int64_t batch = hidden_t.size(0), size = hidden_t.size(1);
-  TORCH_CHECK(static_cast<int64_t>(row_context_lens.size()) == batch, "one context length per row");
-  const int64_t num_seqs = static_cast<int64_t>(query_lens.size());
-  std::vector<int64_t> row_seq;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) row_seq.insert(row_seq.end(), query_lens[seq], seq);
-  TORCH_CHECK(static_cast<int64_t>(row_seq.size()) == batch, "query_lens must add up to the rows");
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* slot = slots.data_ptr<int64_t>();
+namespace {
+
+// A decode step of at least this many rows over several sequences runs as one group of sequences
+// per thread (row_groups); LOOPSTACK_ROW_SPLIT=N sets it at start, 0: never (q4q8_row_split)
+constexpr int64_t kRowSplitRows = 4;
+
+// What the layer loop reads, for every row of the step (see decode_layers_q4q8).
+struct LoopInputs {
+  float* x;  // [batch, size] the residual stream, updated in place
+  const float* cos;
+  const float* sin;  // [batch, qkv_heads, head_dim]
+  float* cache;  // float32 cache, or nullptr
+  c10::Half* half_cache;  // float16 cache, or nullptr
+  const int64_t* slot;  // [batch] each row's new K/V slot
+  const int64_t* tables;
+  const std::vector<at::Tensor>* layer_weights;
+  const std::vector<int64_t>* row_seq;
+  const std::vector<int64_t>* row_context_lens;
+  AttendShape shape;  // batch: every row of the step
+  int64_t num_layers, size, num_slots;
+};
+
+constexpr int64_t kPerLayer = 13;
+
+// Every layer for rows [begin, end) of the step. Each row's operations are the same whichever rows
+// are run together (the matmuls and attention give a row the same bits in any batch), so the step
+// may be run as one call over every row or as several over groups of whole sequences.
+void run_rows(const LoopInputs& in, int64_t begin, int64_t end, bool timed) {
+  const AttendShape& all = in.shape;
+  const int64_t batch = end - begin, size = in.size, head_dim = all.head_dim;
+  const int64_t num_heads = all.num_heads, num_kv_heads = all.num_kv_heads, half = head_dim / 2;
   const int64_t qkv_heads = num_heads + 2 * num_kv_heads, qkv_size = qkv_heads * head_dim;
-  const int64_t kv_size = num_kv_heads * head_dim, num_slots = kv_slots.size(2), half = head_dim / 2;
-  const AttendShape shape{batch, num_heads, num_kv_heads, head_dim, block_size, tables.size(1), contiguous_start,
-                          static_cast<float>(scale)};
-  float* x = hidden_t.data_ptr<float>();
-  const float* cos_data = cos_t.data_ptr<float>();
-  const float* sin_data = sin_t.data_ptr<float>();
-  float* cache = half_cache ? nullptr : kv_slots.data_ptr<float>();
-  c10::Half* half_cache_data = half_cache ? kv_slots.data_ptr<c10::Half>() : nullptr;
+  const int64_t kv_size = num_kv_heads * head_dim, num_slots = in.num_slots;
+  AttendShape shape = all;
+  shape.batch = batch;
+  const std::vector<int64_t> row_seq(in.row_seq->begin() + begin, in.row_seq->begin() + end);
+  const std::vector<int64_t> context_lens(in.row_context_lens->begin() + begin, in.row_context_lens->begin() + end);
+  float* x = in.x + begin * size;
+  const float* cos_data = in.cos + begin * qkv_size;
+  const float* sin_data = in.sin + begin * qkv_size;
+  const int64_t* slot = in.slot + begin;
   std::vector<float> h(batch * size), qkv(batch * qkv_size), attn(batch * num_heads * head_dim), rotated(head_dim);
   std::vector<float> out, gate_up, act;
   QuantizedRows q;
   PartClock clock;
-  profiled_calls += profiling;
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const at::Tensor* w = layer_weights.data() + layer * per_layer;
+  clock.enabled = timed;
+  for (int64_t layer = 0; layer < in.num_layers; ++layer) {
+    const at::Tensor* w = in.layer_weights->data() + layer * kPerLayer;
     const Projection qkv_w = projection(w[2], w[3], &w[4]), o_w = projection(w[5], w[6]);
     const Projection gate_up_w = projection(w[9], w[10]), down_w = projection(w[11], w[12]);
     TORCH_CHECK(qkv_w.out_features == qkv_size && o_w.out_features == size && down_w.out_features == size,
@@ -190,22 +199,22 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
       const float* k_row = row + num_heads * head_dim;
       const float* v_row = row + (num_heads + num_kv_heads) * head_dim;
       const int64_t k_at = layer_offset + slot[r] * kv_size, v_at = k_at + num_slots * kv_size;
-      if (half_cache) {
-        to_half(k_row, kv_size, half_cache_data + k_at);
-        to_half(v_row, kv_size, half_cache_data + v_at);
+      if (in.half_cache != nullptr) {
+        to_half(k_row, kv_size, in.half_cache + k_at);
+        to_half(v_row, kv_size, in.half_cache + v_at);
       } else {
-        std::copy(k_row, k_row + kv_size, cache + k_at);
-        std::copy(v_row, v_row + kv_size, cache + v_at);
+        std::copy(k_row, k_row + kv_size, in.cache + k_at);
+        std::copy(v_row, v_row + kv_size, in.cache + v_at);
       }
     }
     clock.lap(kRotary);
-    if (half_cache)
-      attend_rows_raw(shape, qkv.data(), qkv_size, half_cache_data + layer_offset,
-                      half_cache_data + layer_offset + num_slots * kv_size, tables.data_ptr<int64_t>(), row_seq,
-                      row_context_lens, attn.data());
+    if (in.half_cache != nullptr)
+      attend_rows_raw(shape, qkv.data(), qkv_size, in.half_cache + layer_offset,
+                      in.half_cache + layer_offset + num_slots * kv_size, in.tables, row_seq, context_lens,
+                      attn.data());
     else
-      attend_rows_raw(shape, qkv.data(), qkv_size, cache + layer_offset, cache + layer_offset + num_slots * kv_size,
-                      tables.data_ptr<int64_t>(), row_seq, row_context_lens, attn.data());
+      attend_rows_raw(shape, qkv.data(), qkv_size, in.cache + layer_offset,
+                      in.cache + layer_offset + num_slots * kv_size, in.tables, row_seq, context_lens, attn.data());
     clock.lap(kAttention);
     quantize_rows(attn.data(), batch, num_heads * head_dim, q);
     out.resize(batch * size);
@@ -231,5 +240,82 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
     for (int64_t i = 0; i < batch * size; ++i) x[i] += out[i];
     clock.lap(kDown);
   }
+}
+
+// Where a step of several sequences splits into one group of whole sequences per thread: the
+// first row of each group (and the end), or just {0, batch} when it runs as one. At or above
+// row_split_rows rows; 0: never.
+std::atomic<int64_t> row_split_rows{[] {
+  const char* setting = std::getenv("LOOPSTACK_ROW_SPLIT");
+  return setting ? std::max<int64_t>(0, std::atoll(setting)) : int64_t{kRowSplitRows};
+}()};
+
+std::vector<int64_t> row_groups(const std::vector<int64_t>& row_seq, int64_t num_seqs) {
+  const int64_t batch = static_cast<int64_t>(row_seq.size()), threads = std::max(1, at::get_num_threads());
+  const int64_t split = row_split_rows.load(std::memory_order_relaxed);
+  if (split <= 0 || batch < split || num_seqs < 2 || threads < 2) return {0, batch};
+  std::vector<int64_t> bounds{0};
+  for (int64_t group = 1; group < std::min(threads, num_seqs); ++group) {
+    int64_t cut = batch * group / std::min(threads, num_seqs);  // even rows, moved to a sequence's start
+    while (cut < batch && cut > bounds.back() && row_seq[cut] == row_seq[cut - 1]) ++cut;
+    if (cut > bounds.back() && cut < batch) bounds.push_back(cut);
+  }
+  bounds.push_back(batch);
+  return bounds;
+}
+
+}  // namespace
+
+int64_t q4q8_row_split(int64_t rows) {
+  return row_split_rows.exchange(rows < 0 ? row_split_rows.load() : rows);
+}
+
+// Arguments as decode_layers (decode_layers.cpp), the projections in q4q8's format: per layer,
+// input norm (scaled weight, eps term), qkv (packed, dm, bias or empty), o (packed, dm), post norm
+// (scaled weight, eps term), gate_up (packed, dm), down (packed, dm).
+at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& kv_slots, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const std::vector<int64_t>& row_context_lens,
+                              int64_t contiguous_start, const std::vector<at::Tensor>& layer_weights,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              double scale, const std::vector<int64_t>& query_lens) {
+  c10::InferenceMode guard;
+  const int64_t num_layers = kv_slots.size(0);
+  TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == num_layers * kPerLayer, "expected ", kPerLayer,
+              " tensors per layer");
+  TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kv_slots.is_contiguous() &&
+                  (kv_slots.scalar_type() == at::kFloat || kv_slots.scalar_type() == at::kHalf),
+              "float32 hidden states and rotary tables, a float32 or float16 cache");
+  const bool half_cache = kv_slots.scalar_type() == at::kHalf;
+  at::Tensor hidden_t = hidden_in.contiguous().clone();
+  const at::Tensor cos_t = cos.contiguous(), sin_t = sin.contiguous();
+  const int64_t batch = hidden_t.size(0), size = hidden_t.size(1);
+  TORCH_CHECK(static_cast<int64_t>(row_context_lens.size()) == batch, "one context length per row");
+  const int64_t num_seqs = static_cast<int64_t>(query_lens.size());
+  std::vector<int64_t> row_seq;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) row_seq.insert(row_seq.end(), query_lens[seq], seq);
+  TORCH_CHECK(static_cast<int64_t>(row_seq.size()) == batch, "query_lens must add up to the rows");
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const LoopInputs in{hidden_t.data_ptr<float>(), cos_t.data_ptr<float>(), sin_t.data_ptr<float>(),
+                      half_cache ? nullptr : kv_slots.data_ptr<float>(),
+                      half_cache ? kv_slots.data_ptr<c10::Half>() : nullptr, slots.data_ptr<int64_t>(),
+                      tables.data_ptr<int64_t>(), &layer_weights, &row_seq, &row_context_lens,
+                      AttendShape{batch, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+                                  contiguous_start, static_cast<float>(scale)},
+                      num_layers, size, kv_slots.size(2)};
+  profiled_calls += profiling;
+  const std::vector<int64_t> bounds = row_groups(row_seq, num_seqs);
+  const int64_t groups = static_cast<int64_t>(bounds.size()) - 1;
+  if (groups == 1) {
+    run_rows(in, 0, batch, true);
+    return hidden_t;
+  }
+  // one group of whole sequences per thread, every layer with no section in between: the matmuls
+  // and attention inside run on the group's own thread (SerialSection); the profile times group 0
+  parallel_chunks(groups, 1, [&](int64_t first, int64_t last) {
+    const SerialSection serial;
+    for (int64_t g = first; g < last; ++g) run_rows(in, bounds[g], bounds[g + 1], g == 0);
+  });
   return hidden_t;
 }

@@ -14,7 +14,7 @@ constexpr int kLowBits = 7;     // an input is two int8 digits, high * 2^7 + low
 // How far ahead of the weights being multiplied the kernels ask the cache for the codes (and for
 // the same groups' scales), in bytes of codes: the hardware's own prefetcher leaves the
 // multiplies waiting on memory (q4q8_matmul.cpp). LOOPSTACK_PREFETCH=N sets it at start, 0: none.
-// scripts/ab_prefetch.py (decode steps in one process, alternating, 6 rounds): against none, 2048
+// scripts/ab_knob.py --knob q4q8_prefetch (decode steps in one process, alternating, 6 rounds): against none, 2048
 // bytes 0.82-0.86x the batch-1 step and 0.79-0.83x the batch-8 one, 4096 0.78-0.84x and 0.80-0.82x,
 // 8192 0.79x and 0.82x (batch 1 likes it far, batch 8 near)
 constexpr int64_t kPrefetchBytes = 4096;

@@ -107,10 +107,19 @@ std::mutex pool_mutex;  // one parallel section at a time; guards the pool's (re
 std::unique_ptr<SpinPool> pool;
 pid_t pool_pid = 0;  // a forked child has the pool's object but none of its threads
 
+thread_local bool serial = false;  // inside a SerialSection
+
 }  // namespace
+
+SerialSection::SerialSection() : before_(serial) { serial = true; }
+SerialSection::~SerialSection() { serial = before_; }
 
 void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& task) {
   if (n <= 0) return;
+  if (serial) {
+    task(0, n);
+    return;
+  }
   if (syscall(SYS_gettid) == getpid()) {  // the process's first thread: OpenMP's own team
     at::parallel_for(0, n, grain, task);
     return;
