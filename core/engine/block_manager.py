@@ -163,6 +163,7 @@ class BlockManager:
         # recent (parent, tokens, salt) -> hash: a scheduler asks can_allocate, then allocate, for one
         # prompt, and a prompt sent again hashes its blocks again; a dict lookup is a tenth of a hash
         self._recent_hashes: dict[tuple[bytes | None, tuple[int, ...], bytes], bytes] = {}
+        self._last_match: tuple[tuple[bytes, tuple[int, ...]], _Match] | None = None  # (salt, tokens) -> match
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._policy: EvictionPolicy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
@@ -575,9 +576,40 @@ class BlockManager:
 
     def _match_prefix(self, token_ids: Sequence[int], salt: bytes, max_tokens: int) -> _Match:
         """The longest prefix of full blocks in ``max_tokens`` cached here or in the second tier."""
-        match = _Match([], [], [])
         if not self.enable_prefix_caching:
-            return match
+            return _Match([], [], [])
+        num_blocks = max(0, max_tokens // self.block_size)
+        key = (salt, tuple(token_ids[: num_blocks * self.block_size]))
+        last = self._last_match
+        if last is not None and last[0] == key and self._still_matches(last[1], key[1], salt, num_blocks):
+            match = last[1]
+        else:
+            match = self._walk_prefix(token_ids, salt, max_tokens)
+            self._last_match = (key, match)
+        return _Match(list(match.block_ids), list(match.hashes), list(match.tier_entries))
+
+    def _still_matches(self, match: _Match, token_ids: tuple[int, ...], salt: bytes, num_blocks: int) -> bool:
+        """Whether walking the prefix again would give ``match``: each of its blocks still cached
+        under its hash where it was, and the block after it still cached nowhere. (A scheduler asks
+        ``can_allocate`` and then ``allocate`` for one prompt, and a prompt sent again walks the same
+        blocks: these lookups are a fifth of a walk's hashing and content checks.)"""
+        for block_id, block_hash, entry in zip(match.block_ids, match.hashes, match.tier_entries, strict=True):
+            if block_id is not None:
+                if self._hash_to_block.get(block_hash) != block_id:
+                    return False
+            elif block_hash in self._hash_to_block or self._tier_index.get(block_hash) is not entry:
+                return False  # a walk takes the primary cache's copy first
+        matched = len(match.hashes)
+        if matched < num_blocks:
+            size, parent = self.block_size, match.hashes[-1] if match.hashes else None
+            after = self._block_hash(parent, token_ids[matched * size : (matched + 1) * size],
+                                     salt if parent is None else b"")
+            if after in self._hash_to_block or after in self._tier_index:
+                return False
+        return True
+
+    def _walk_prefix(self, token_ids: Sequence[int], salt: bytes, max_tokens: int) -> _Match:
+        match = _Match([], [], [])
         size = self.block_size
         parent: bytes | None = None
         for start in range(0, max_tokens - size + 1, size):
