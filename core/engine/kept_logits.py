@@ -30,6 +30,9 @@ class KeptLogits:
         self.capacity = capacity
         self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.num_hits = 0
+        # the last key and what it was computed from: a request's get (the scheduler) and put (the
+        # engine) pass the same prompt list, which nothing changes once it is a sequence's
+        self._last: tuple[Sequence[int], int, str, bytes] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -37,7 +40,7 @@ class KeptLogits:
     def put(self, salt: str, prompt_token_ids: Sequence[int], logits: torch.Tensor) -> None:
         """Keep a copy of ``logits`` (``[vocab]``), the row of the prompt's last position (a
         prompt kept already keeps its row: the same tokens gave it)."""
-        key = _key(salt, prompt_token_ids)
+        key = self._key(salt, prompt_token_ids)
         if key in self._rows:
             self._rows.move_to_end(key)
             return
@@ -48,11 +51,19 @@ class KeptLogits:
 
     def get(self, salt: str, prompt_token_ids: Sequence[int]) -> torch.Tensor | None:
         """The kept row (shared: copy before changing it), or None."""
-        key = _key(salt, prompt_token_ids)
+        key = self._key(salt, prompt_token_ids)
         row = self._rows.get(key)
         if row is not None:
             self._rows.move_to_end(key)
         return row
+
+    def _key(self, salt: str, prompt_token_ids: Sequence[int]) -> bytes:
+        last = self._last
+        if last is not None and last[0] is prompt_token_ids and last[1] == len(prompt_token_ids) and last[2] == salt:
+            return last[3]
+        key = _key(salt, prompt_token_ids)
+        self._last = (prompt_token_ids, len(prompt_token_ids), salt, key)
+        return key
 
 
 def _key(salt: str, prompt_token_ids: Sequence[int]) -> bytes:
