@@ -242,14 +242,14 @@ void run_rows(const LoopInputs& in, int64_t begin, int64_t end, bool timed) {
   }
 }
 
-// Where a step of several sequences splits into one group of whole sequences per thread: the
-// first row of each group (and the end), or just {0, batch} when it runs as one. At or above
-// row_split_rows rows; 0: never.
+// The rows from which a step of several sequences runs as row groups (0: never; q4q8_row_split)
 std::atomic<int64_t> row_split_rows{[] {
   const char* setting = std::getenv("LOOPSTACK_ROW_SPLIT");
   return setting ? std::max<int64_t>(0, std::atoll(setting)) : int64_t{kRowSplitRows};
 }()};
 
+// Where a step splits into one group of whole sequences per thread: the first row of each group
+// and the end, or just {0, batch} when it runs as one (fewer rows than row_split_rows, one sequence).
 std::vector<int64_t> row_groups(const std::vector<int64_t>& row_seq, int64_t num_seqs) {
   const int64_t batch = static_cast<int64_t>(row_seq.size()), threads = std::max(1, at::get_num_threads());
   const int64_t split = row_split_rows.load(std::memory_order_relaxed);
