@@ -15,10 +15,8 @@ trust on a shared, noisy machine, and whether every value decoded the same token
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from decode_timing import time_decode
-from profile_decode_step import prompt_ids
+from decode_timing import add_round_arguments, alternate
 
 KNOBS = ("q4q8_prefetch", "q4q8_row_split")
 
@@ -27,13 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--knob", choices=KNOBS, required=True)
     parser.add_argument("--values", required=True, help="the settings to compare, comma-separated (the first: the base)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=0)
-    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    add_round_arguments(parser, prompt_tokens=0)
     args = parser.parse_args()
     values = [int(v) for v in args.values.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
 
     from loopstack.engine.factory import build_engine
     from loopstack.engine.llm_engine import EngineOptions
@@ -44,28 +38,11 @@ def main() -> None:
         raise SystemExit(f"the C++ kernels (with {args.knob}) are not built here")
     setting = getattr(kernels, args.knob)
     engine = build_engine(options=EngineOptions(num_kv_blocks=512, max_num_batched_tokens=1024), num_threads=2)
-    prompts = {b: [prompt_ids(engine.tokenizer, args.prompt_tokens, i) for i in range(b)] for b in batches}
     before = setting(-1)
-    times: dict[tuple[int, int], list[float]] = {(b, v): [] for b in batches for v in values}
-    outputs: dict[int, set[str]] = {b: set() for b in batches}
     try:
-        for index in range(args.rounds):
-            for value in values if index % 2 == 0 else list(reversed(values)):
-                setting(value)
-                for batch in batches:
-                    engine.block_manager.reset_prefix_cache()
-                    timing = time_decode(engine, prompts[batch], args.tokens)
-                    times[batch, value].append(timing.ms_per_step)
-                    outputs[batch].add(repr(timing.outputs))
+        alternate(engine, [(f"{args.knob} {value}", lambda value=value: setting(value)) for value in values], args)
     finally:
         setting(before)
-    for batch in batches:
-        base = times[batch, values[0]]
-        same = "same tokens" if len(outputs[batch]) == 1 else "DIFFERENT tokens"
-        for value in values:
-            ratios = [t / b for t, b in zip(times[batch, value], base, strict=True)]
-            print(f"batch {batch}, {args.knob} {value:5d}: {statistics.median(times[batch, value]):6.2f} ms a step, "
-                  f"ratio to {values[0]}: {statistics.median(ratios):.3f} ({same})", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from decode_timing import prompt_ids
+
 
 def timed(obj: Any, name: str, key: str, totals: dict[str, float]) -> None:
     inner: Callable[..., Any] = getattr(obj, name)
@@ -27,16 +29,6 @@ def timed(obj: Any, name: str, key: str, totals: dict[str, float]) -> None:
             totals[key] += time.perf_counter() - started
 
     setattr(obj, name, wrapper)
-
-
-def prompt_ids(tokenizer: Any, num_tokens: int, variant: int) -> list[int]:
-    if num_tokens <= 0:
-        return list(tokenizer.encode(f"The history of the printing press, part {variant}"))
-    from pathlib import Path
-
-    from loopstack.bench.workloads.engine_prompts import bench_prompt_ids
-    return bench_prompt_ids(tokenizer, num_tokens, Path(__file__).resolve().parents[2] / "shared" / "data",
-                            variant=10 + variant)
 
 
 def main() -> None:

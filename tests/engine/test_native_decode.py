@@ -142,7 +142,9 @@ def test_a_step_split_by_sequences_over_the_threads_gives_the_same_bits(rows):
             kernels.q4q8_row_split(split)
             runner = PagedRunner(native)
             runner.step(prompts)
+            grouped = kernels.q4q8_row_group_steps()
             results.append(runner.step(new, all_logits=True))
+            assert kernels.q4q8_row_group_steps() - grouped == (1 if split else 0)  # the path compared ran
             caches.append(runner.kv_cache)
     finally:
         kernels.q4q8_row_split(before)

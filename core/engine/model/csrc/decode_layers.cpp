@@ -124,6 +124,7 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden, const at::Tensor& cos, const at
                               double scale, const std::vector<int64_t>& query_lens);  // q4q8_decode.cpp
 std::vector<double> q4q8_decode_profile(bool enable, bool reset);                     // q4q8_decode.cpp
 int64_t q4q8_row_split(int64_t rows);                                                 // q4q8_decode.cpp
+int64_t q4q8_row_group_steps();                                                       // q4q8_decode.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while they run: the server's event loop streams tokens meanwhile
@@ -142,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4q8_row_split", &q4q8_row_split, py::arg("rows"),
         "decode steps of at least this many rows over several sequences run one group of sequences per thread "
         "(0: never; negative: leave it); returns the setting before");
+  m.def("q4q8_row_group_steps", &q4q8_row_group_steps, "decode steps run as row groups so far");
   m.def("q4q8_use_amx", &q4q8_use_amx, py::arg("enabled"),
         "allow (or not) the AMX kernel for inputs of several rows; returns whether it is in use now");
 }

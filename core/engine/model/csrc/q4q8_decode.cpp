@@ -242,6 +242,9 @@ void run_rows(const LoopInputs& in, int64_t begin, int64_t end, bool timed) {
   }
 }
 
+// steps run as row groups so far (q4q8_row_group_steps)
+std::atomic<int64_t> row_group_steps{0};
+
 // The rows from which a step of several sequences runs as row groups (0: never; q4q8_row_split)
 std::atomic<int64_t> row_split_rows{[] {
   const char* setting = std::getenv("LOOPSTACK_ROW_SPLIT");
@@ -269,6 +272,8 @@ std::vector<int64_t> row_groups(const std::vector<int64_t>& row_seq, int64_t num
 int64_t q4q8_row_split(int64_t rows) {
   return row_split_rows.exchange(rows < 0 ? row_split_rows.load() : rows);
 }
+
+int64_t q4q8_row_group_steps() { return row_group_steps.load(); }
 
 // Arguments as decode_layers (decode_layers.cpp), the projections in q4q8's format: per layer,
 // input norm (scaled weight, eps term), qkv (packed, dm, bias or empty), o (packed, dm), post norm
@@ -311,6 +316,7 @@ at::Tensor decode_layers_q4q8(at::Tensor hidden_in, const at::Tensor& cos, const
     run_rows(in, 0, batch, true);
     return hidden_t;
   }
+  row_group_steps.fetch_add(1, std::memory_order_relaxed);
   // one group of whole sequences per thread, every layer with no section in between: the matmuls
   // and attention inside run on the group's own thread (SerialSection); the profile times group 0
   parallel_chunks(groups, 1, [&](int64_t first, int64_t last) {
