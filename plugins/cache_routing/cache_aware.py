@@ -10,7 +10,11 @@ Two ways to weigh, both configurable (``balance``):
   well keeps paying on the conversation's next turns; each running request costs a share of this
   request's prefill (a longer decode batch), so a shared system prompt does not pull every request
   onto its first holder. Every term scales with prompt length, so the weights hold for short and
-  long prompts alike.
+  long prompts alike. A conversation's first turn (a ``prompt_cache_key`` never routed) has no
+  prefix of its own to protect, only what other conversations share, and weighs queued work at
+  ``new_session_queue_weight`` (1.0: a token waited for costs what a token computed does), so a
+  burst of new conversations is spread by load instead of piling onto a shared system prompt's
+  first holder.
 - ``threshold`` (SGLang-style): if the load gap is large (``max - min > balance_abs_threshold`` and
   ``max > balance_rel_threshold * min`` requests in flight) the least loaded replica wins; otherwise
   the longest match wins when it covers more than ``cache_threshold`` of the prompt, else the least
@@ -49,6 +53,7 @@ class Balance:
     kind: Literal["cost", "threshold"] = "cost"
     prefill_weight: float = 1.0
     queue_weight: float = 0.1
+    new_session_queue_weight: float | None = 1.0  # queue_weight for a key never routed (None: queue_weight)
     decode_weight: float = 0.0
     running_weight: float = 0.04
     balance_abs_threshold: int = 8
@@ -142,12 +147,15 @@ class CacheAware:
 
     def _by_cost(self, request: RouteRequest, healthy: list[ReplicaView], matched: dict[int, int]) -> RouteDecision:
         balance = self.balance
+        queue_weight = balance.queue_weight
+        if balance.new_session_queue_weight is not None and self._is_new_session(request):
+            queue_weight = balance.new_session_queue_weight
         scores: dict[int, float] = {}
         for view in healthy:
             uncached = request.num_tokens - request.cached_tokens(matched.get(view.index, 0))
             scores[view.index] = (
                 balance.prefill_weight * uncached
-                + balance.queue_weight * view.num_pending_prefill_tokens
+                + queue_weight * view.num_pending_prefill_tokens
                 + balance.decode_weight * view.num_active_tokens
                 + balance.running_weight * request.num_tokens * view.num_in_flight
             )
@@ -171,6 +179,10 @@ class CacheAware:
             chosen = min(candidates, key=load_key)
             return RouteDecision(chosen.index, "cache_hit", best_blocks)
         return RouteDecision(least.index, "load", matched.get(least.index, 0))
+
+    def _is_new_session(self, request: RouteRequest) -> bool:
+        """A conversation's first turn: its key never routed (so no prefix of its own is cached)."""
+        return request.cache_key is not None and request.cache_key not in self._key_replica
 
     def _hinted(self, request: RouteRequest, healthy: list[ReplicaView]) -> int | None:
         if request.cache_key is None:

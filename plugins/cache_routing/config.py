@@ -29,6 +29,11 @@ class CacheRoutingConfig(PluginConfig):
     )
     prefill_weight: float = Field(1.0, ge=0, description="cost of one uncached prompt token of this request")
     queue_weight: float = Field(0.1, ge=0, description="cost of one token of prefill already queued on the replica")
+    new_session_queue_weight: float | None = Field(
+        1.0, ge=0,
+        description="queue_weight for a prompt_cache_key the router has not routed (a conversation's first"
+        " turn: no prefix of its own is cached anywhere yet); none: queue_weight",
+    )
     decode_weight: float = Field(0.0, ge=0, description="cost of one token held by the replica's running requests")
     running_weight: float = Field(
         0.04, ge=0, description="cost of each request the replica is running, as a share of this request's prompt tokens"

@@ -51,7 +51,7 @@ def build_policy(
     )
     balance = Balance(
         kind=config.balance, prefill_weight=config.prefill_weight, queue_weight=config.queue_weight,
-        decode_weight=config.decode_weight, running_weight=config.running_weight,
+        new_session_queue_weight=config.new_session_queue_weight, decode_weight=config.decode_weight, running_weight=config.running_weight,
         balance_abs_threshold=config.balance_abs_threshold,
         balance_rel_threshold=config.balance_rel_threshold, cache_threshold=config.cache_threshold,
     )

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from loopstack.engine.seams.kv_events import hash_token_blocks
-from loopstack.inference import ReplicaView, RoundRobin, RouteRequest
+from loopstack.inference import ReplicaView, RoundRobin, RouteDecision, RouteRequest
 from loopstack.plugins.cache_routing.block_index import BlockIndex
 from loopstack.plugins.cache_routing.cache_aware import Balance, CacheAware
 from loopstack.plugins.cache_routing.policies import LeastLoad, RandomChoice, SessionAffinity
@@ -88,6 +88,29 @@ def test_cache_aware_cost_sends_work_away_from_a_long_prefill_queue():
     decision = policy.choose(request(prompt), views(0, 3, 0, pending=[0, 1000, 0]))
     assert decision.index in (0, 2) and decision.reason == "load"
     assert decision.scores[1] > decision.scores[0]
+
+
+def test_a_new_sessions_first_turn_weighs_queued_work_by_its_own_weight():
+    """A shared system prompt held by replica 1 alone, 100 tokens queued there: a conversation's
+    first turn (a key never routed) goes elsewhere at new_session_queue_weight 1; a known key's
+    turn, and a request with no key, weigh the queue at queue_weight 0.1 and take the cache."""
+    system = list(range(100, 116))  # 4 blocks every conversation starts with
+
+    def prompt(start):
+        return system + list(range(start, start + 17))  # 33 tokens, 8 full blocks
+
+    balance = Balance(queue_weight=0.1, new_session_queue_weight=1.0)
+    policy = CacheAware(index=_indexed({1: system}), precise_replicas={0, 1}, balance=balance)
+    state = views(0, 1, pending=[0, 100])
+    # replica 0: 33 uncached; replica 1: 17 uncached + 1.0 x 100 queued (+ 0.04 x 33 running)
+    first = policy.choose(request(prompt(500), key="conversation-1"), state)
+    assert (first.index, first.reason) == (0, "load")
+    policy.on_routed(request(prompt(600), key="conversation-2"), RouteDecision(1, "load", 4))
+    # 17 + 0.1 x 100 + 1.3 < 33
+    assert policy.choose(request(prompt(700), key="conversation-2"), state).index == 1
+    assert policy.choose(request(prompt(800)), state).index == 1  # no key
+    off = CacheAware(index=_indexed({1: system}), precise_replicas={0, 1}, balance=Balance(new_session_queue_weight=None))
+    assert off.choose(request(prompt(900), key="conversation-3"), state).index == 1
 
 
 def test_cache_aware_threshold_balances_when_the_gap_is_large():
