@@ -82,7 +82,7 @@ def test_zeros_are_zero_in_any_dtype() -> None:
     assert zeros.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 and not zeros.any()
 
 
-@pytest.mark.skipif(not quant.extension.has_q4q8(), reason="the q4q8 kernel needs AVX-512 VNNI and the C++ extension")
+@pytest.mark.skipif(not quant.extension.has_q4q8(), reason="the q4q8 kernel needs AVX-512 VNNI or AVX2, and the C++ extension")
 def test_a_quantized_model_streams_from_the_arena_and_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))  # 1 MiB of codes each

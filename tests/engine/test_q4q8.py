@@ -9,7 +9,7 @@ import torch
 from loopstack.engine.model import extension
 from loopstack.engine.model.quant import Int8RescoredHead, pack_q4, pack_q8
 
-pytestmark = pytest.mark.skipif(not extension.has_q4q8(), reason="the q4q8 kernel needs AVX-512 VNNI and the extension")
+pytestmark = pytest.mark.skipif(not extension.has_q4q8(), reason="the q4q8 kernel needs AVX-512 VNNI or AVX2, and the extension")
 
 
 def unpack(packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
@@ -124,3 +124,22 @@ def test_the_weight_prefetch_changes_no_bit(pack):
     finally:
         kernels.q4q8_prefetch(before)
     assert kernels.q4q8_prefetch(-1) == before
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_largest_codes_and_digits_do_not_saturate(bits):
+    """Every code at an end of its range and every input digit at +-127: the AVX2 kernel adds its
+    byte products in 16 bits (q4q8_avx2.cpp), which must hold a group's sums exactly."""
+    torch.manual_seed(3)
+    n, k = 64, 576
+    if bits == 4:  # codes 0 or 15, d = 1/16, m = 0
+        weight = torch.randint(0, 2, (n, k)).float() * 15 / 16
+        packed, dm = pack_q4(weight)
+    else:  # codes -127 or 127 (stored 1 or 255), d = 1/128
+        weight = (torch.randint(0, 2, (n, k)).float() * 2 - 1) * 127 / 128
+        packed, dm = pack_q8(weight)
+    assert torch.equal(unpack(packed, dm), weight)
+    x = (torch.randint(0, 2, (8, k)).float() * 2 - 1) * 127  # each group's high digits +-127, low 0
+    expected = x.double() @ weight.double().T
+    actual = extension.q4q8_matmul(x, packed, dm).double()
+    torch.testing.assert_close(actual, expected, atol=0, rtol=1e-6)

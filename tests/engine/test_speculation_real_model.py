@@ -129,7 +129,7 @@ def run_with_logprobs(engine, batch, spec, tag):
 
 
 @pytest.mark.skipif(not has_q4q8(), reason="bit-identical rows whatever the batch holds is a property of the C++ "
-                    "row-wise kernels (AVX-512 VNNI); torch's int4 fallback multiplies the step's rows together")
+                    "row-wise kernels (AVX-512 VNNI or AVX2); torch's int4 fallback multiplies the step's rows together")
 @pytest.mark.parametrize("proposer", [None, "suffix", "draft_model_truncated"])
 def test_a_sequence_computes_the_same_bits_alone_and_beside_chunked_prefills(chunking_engine, proposer):
     # Strict, no tie allowance, down to the log-probabilities' bits: a decode or verification row

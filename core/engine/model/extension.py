@@ -24,10 +24,10 @@ __all__ = ["SOURCES", "compile_kernels", "has_q4q8", "load_extension", "q4q8_mat
 log = logging.getLogger("loopstack.engine")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp", "q4q8_matmul.cpp", "q4q8_amx.cpp",
-                                              "attend_rows.cpp",
+                                              "q4q8_avx2.cpp", "attend_rows.cpp",
                                               "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v62"
+_NAME = "loopstack_kernels_v66"
 
 
 def compile_kernels(csrc: Path = _CSRC, name: str = _NAME) -> Any:
@@ -54,7 +54,7 @@ def load_extension() -> Any | None:
 
 
 def has_q4q8() -> bool:
-    """Whether the q4q8 matmul is here and vectorized (AVX-512 VNNI)."""
+    """Whether the q4q8 matmul is here and vectorized (AVX-512 VNNI, or AVX2 without AVX-512)."""
     extension = load_extension()
     return extension is not None and bool(extension.q4q8_is_vectorized())
 

@@ -16,7 +16,7 @@ bit for bit the logits the plain decode step would have given it, and greedy spe
 decoding reproduces plain greedy decoding exactly.
 
 Two loops, one per :class:`~loopstack.engine.model.quant.Int4Linear` format: with q4q8
-projections (CPUs with AVX-512 VNNI), ``q4q8_decode.cpp`` runs the whole layer as plain loops
+projections (CPUs with AVX-512 VNNI or AVX2), ``q4q8_decode.cpp`` runs the whole layer as plain loops
 over preallocated buffers (no ATen op between the matmuls; its float operations differ from the
 Python layers' in order, so logits agree to rounding, not to the bit); with torch's int4pack,
 ``decode_layers.cpp`` calls the same ATen ops as the Python layers, in the same order.

@@ -96,8 +96,9 @@ class Int4Linear(_WeightOnlyLinear):
 
     Two formats, chosen at construction (``kernel``):
 
-    - ``"q4q8"`` where the engine's C++ extension has its AVX-512 VNNI matmul
-      (``csrc/q4q8_matmul.cpp``): GGUF Q4_1's encoding (code * d + m, float16 d and m, groups
+    - ``"q4q8"`` where the engine's C++ extension has its vector matmul, AVX-512 VNNI
+      (``csrc/q4q8_matmul.cpp``) or, on CPUs without AVX-512, AVX2 (``csrc/q4q8_avx2.cpp``,
+      the same bits): GGUF Q4_1's encoding (code * d + m, float16 d and m, groups
       of 32), times activations quantized per group of 32 to two int8 digits on each call
       (15 bits): integer dot products, as llama.cpp runs Q4_1 on such CPUs. Fed float32. Needs
       out_features to be a multiple of 16.
@@ -254,7 +255,7 @@ class DynamicInt8Linear(_WeightOnlyLinear):
 
 
 class Int8RescoredHead(nn.Module):
-    """Output head on 8-bit weights. Where the q4q8 kernel is (AVX-512 VNNI), its 8-bit format
+    """Output head on 8-bit weights. Where the q4q8 kernel is (AVX-512 VNNI or AVX2), its 8-bit format
     (GGUF's Q8_0, groups of 32, times 15-bit activations) is the head: its logits are within ~0.01
     of the float ones (SmolLM2: KL 1e-7), and a SmolLM2 decode step spends 1.4 ms in it against
     2.0 ms for the rescored fbgemm head. Elsewhere a cheap pass

@@ -3,6 +3,7 @@
 
 #include "vec_exp.h"
 
+#include "simd256.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -14,6 +15,16 @@ float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   float sum = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+#elif defined(LOOPSTACK_SIMD256)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // the AVX-512 path's 16 lanes
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+  }
+  float sum = reduce_add16(lo, hi);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 #else
@@ -32,6 +43,9 @@ void axpy(float w, const float* x, float* y, int64_t n) {
 #ifdef __AVX512F__
   const __m512 wv = _mm512_set1_ps(w);
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(LOOPSTACK_SIMD256)
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += w * x[i];
 }
@@ -51,6 +65,11 @@ LS_INLINE inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 LS_INLINE inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#elif defined(LOOPSTACK_SIMD256)
+LS_INLINE inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+LS_INLINE inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #endif
 
 // The largest of n > 0 scores, sixteen lanes at a time (std::max_element is a scalar chain of
@@ -63,6 +82,13 @@ float max_of(const float* x, int64_t n) {
     __m512 tops = _mm512_loadu_ps(x);
     for (p = 16; p + 16 <= n; p += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(x + p));
     top = _mm512_reduce_max_ps(tops);
+  }
+#endif
+#ifdef LOOPSTACK_SIMD256
+  if (n >= 16) {
+    __m256 lo = _mm256_loadu_ps(x), hi = _mm256_loadu_ps(x + 8);
+    for (p = 16; p + 16 <= n; p += 16) lo = _mm256_max_ps(lo, _mm256_loadu_ps(x + p)), hi = _mm256_max_ps(hi, _mm256_loadu_ps(x + p + 8));
+    top = reduce_max16(lo, hi);
   }
 #endif
   for (; p < n; ++p) top = std::max(top, x[p]);
@@ -81,6 +107,16 @@ float exp_in_place(float* x, int64_t n, float top) {
     totals = _mm512_add_ps(totals, e);
   }
   total = _mm512_reduce_add_ps(totals);
+#elif defined(LOOPSTACK_SIMD256)
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // the AVX-512 path's lanes and sum
+  for (; p + 16 <= n; p += 16) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + p + 8 * half), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(x + p + 8 * half, e);
+      (half ? hi : lo) = _mm256_add_ps(half ? hi : lo, e);
+    }
+  }
+  total = reduce_add16(lo, hi);
 #endif
   for (; p < n; ++p) total += (x[p] = std::exp(x[p] - top));
   return total;
@@ -185,6 +221,76 @@ void value_group(const float* weights, int64_t ld, const KV* value, int64_t stri
 }
 #endif
 
+#ifdef LOOPSTACK_SIMD256
+// The AVX-512 group kernels above on eight-float halves, with their bits: a key's 16-lane partial
+// vector is computed as two halves with the same per-lane steps, and sum16 folds it in
+// sum_lanes16's order, lane l of 128-bit quarter L being ((e0 + e2) + (e1 + e3)) and the quarters
+// ((L0 + L1) + (L2 + L3)).
+// Four keys' sums from their partial vectors' halves lo[j] (lanes 0-7) and hi[j] (8-15).
+LS_INLINE inline __m128 sum4_keys(const __m256* lo, const __m256* hi) {
+  auto quarters = [](const __m256* v) LS_INLINE {  // [quarter 0 | quarter 1] sums of keys 0..3
+    auto pair = [&](int j) LS_INLINE { return _mm256_add_ps(_mm256_unpacklo_ps(v[j], v[j + 1]), _mm256_unpackhi_ps(v[j], v[j + 1])); };
+    const __m256d a = _mm256_castps_pd(pair(0)), b = _mm256_castps_pd(pair(2));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  };
+  const __m256 low = quarters(lo), high = quarters(hi);
+  const __m128 first = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1));
+  const __m128 second = _mm_add_ps(_mm256_castps256_ps128(high), _mm256_extractf128_ps(high, 1));
+  return _mm_add_ps(first, second);
+}
+
+// C chunks of 16 floats a head (as the AVX-512 kernels count them), G heads a call
+template <int C, int G, class KV>
+void score_group8(const float* queries, const KV* key, int64_t stride, int64_t count, float scale, float* out,
+                  int64_t ld) {
+  const __m128 scales = _mm_set1_ps(scale);
+  for (int64_t i = 0; i < count; i += 16, key += 16 * stride) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    LS_UNROLL for (int g = 0; g < G; ++g) {
+      const float* query = queries + g * 16 * C;
+      alignas(16) float sums[16];
+      for (int quad = 0; quad < 4; ++quad) {
+        __m256 lo[4], hi[4];
+        LS_UNROLL for (int j = 0; j < 4; ++j) {
+          const int key_index = 4 * quad + j;
+          if (key_index >= n) {  // a short last batch's missing keys are zeros, as there
+            lo[j] = hi[j] = _mm256_setzero_ps();
+            continue;
+          }
+          const KV* k_row = key + key_index * stride;
+          LS_UNROLL for (int h = 0; h < 2; ++h) {  // the partial vector's half h, as partial() there
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(query + 8 * h), load8(k_row + 8 * h));
+            __m256 b = C > 1 ? _mm256_mul_ps(_mm256_loadu_ps(query + 16 + 8 * h), load8(k_row + 16 + 8 * h)) : _mm256_setzero_ps();
+            LS_UNROLL for (int c = 2; c < C; c += 2) {
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(query + 16 * c + 8 * h), load8(k_row + 16 * c + 8 * h), a);
+              if (c + 1 < C) b = _mm256_fmadd_ps(_mm256_loadu_ps(query + 16 * (c + 1) + 8 * h), load8(k_row + 16 * (c + 1) + 8 * h), b);
+            }
+            (h ? hi : lo)[j] = _mm256_add_ps(a, b);
+          }
+        }
+        _mm_store_ps(sums + 4 * quad, _mm_mul_ps(sum4_keys(lo, hi), scales));
+      }
+      std::copy(sums, sums + n, out + g * ld + i);
+    }
+  }
+}
+
+template <int C, int G, class KV>
+void value_group8(const float* weights, int64_t ld, const KV* value, int64_t stride, int64_t count, float* acc) {
+  __m256 a[G][2 * C];
+  LS_UNROLL for (int g = 0; g < G; ++g)
+    LS_UNROLL for (int c = 0; c < 2 * C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * 16 * C + 8 * c);
+  for (int64_t i = 0; i < count; ++i, value += stride) {
+    LS_UNROLL for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(weights[g * ld + i]);
+      LS_UNROLL for (int c = 0; c < 2 * C; ++c) a[g][c] = _mm256_fmadd_ps(w, load8(value + 8 * c), a[g][c]);
+    }
+  }
+  LS_UNROLL for (int g = 0; g < G; ++g)
+    LS_UNROLL for (int c = 0; c < 2 * C; ++c) _mm256_storeu_ps(acc + g * 16 * C + 8 * c, a[g][c]);
+}
+#endif
+
 template <class KV>
 struct Runs {
   using ScoreGroup = void (*)(const float*, const KV*, int64_t, int64_t, float, float*, int64_t);
@@ -209,8 +315,28 @@ Runs<KV> group_runs(int64_t group) {
 }
 #endif
 
+#ifdef LOOPSTACK_SIMD256
+template <int C, class KV>
+Runs<KV> group_runs8(int64_t group) {
+  // sixteen ymm registers: the values' accumulators of G heads are G x 2C of them
+  if constexpr (C <= 2) {
+    if (group % 3 == 0) return {score_group8<C, 3, KV>, value_group8<C, 3, KV>, 3};
+    if (group % 2 == 0) return {score_group8<C, 2, KV>, value_group8<C, 2, KV>, 2};
+  }
+  return {score_group8<C, 1, KV>, value_group8<C, 1, KV>, 1};
+}
+#endif
+
 template <class KV>
 Runs<KV> runs_for(int64_t dim, int64_t group) {
+#ifdef LOOPSTACK_SIMD256
+  switch (dim) {
+    case 32: return group_runs8<2, KV>(group);
+    case 64: return group_runs8<4, KV>(group);
+    case 128: return group_runs8<8, KV>(group);
+    default: break;
+  }
+#endif
 #ifdef __AVX512F__
   switch (dim) {
     case 32: return group_runs<2, KV>(group);

@@ -137,7 +137,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, "single-query attention of every row over its own context (tests)", no_gil);
   m.def("q4q8_matmul", &q4q8_matmul, "4- or 8-bit weights x rows as two int8 digits (see q4q8_matmul.cpp)",
         no_gil);
-  m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs the AVX-512 VNNI kernel");
+  m.def("q4q8_is_vectorized", &q4q8_is_vectorized, "whether q4q8_matmul runs a vector kernel (AVX-512 VNNI or AVX2)");
+  m.def("q4q8_instruction_set", &q4q8_instruction_set,
+        "which kernel q4q8_matmul runs: avx512_vnni+amx, avx512_vnni, avx2 or scalar");
   m.def("q4q8_prefetch", &q4q8_prefetch, py::arg("bytes"),
         "how far ahead (bytes of codes) the q4q8 kernels prefetch weights, 0: not at all; returns the setting before");
   m.def("q4q8_row_split", &q4q8_row_split, py::arg("rows"),

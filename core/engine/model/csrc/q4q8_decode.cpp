@@ -22,6 +22,7 @@
 
 #include "attend_rows.h"
 #include "q4q8_matmul.h"
+#include "simd256.h"
 #include "spin_pool.h"
 #include "vec_exp.h"
 
@@ -64,6 +65,12 @@ void rms_norm(const float* x, int64_t batch, int64_t size, const float* scaled_w
       const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(scaled_weight + i));
       _mm512_storeu_ps(h + r * size + i, _mm512_div_ps(scaled, denominators));
     }
+#elif defined(LOOPSTACK_SIMD256)
+    const __m256 denominators = _mm256_set1_ps(denominator);
+    for (; i + 8 <= size; i += 8) {
+      const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(scaled_weight + i));
+      _mm256_storeu_ps(h + r * size + i, _mm256_div_ps(scaled, denominators));
+    }
 #endif
     for (; i < size; ++i) h[r * size + i] = row[i] * scaled_weight[i] / denominator;
   }
@@ -77,6 +84,10 @@ void to_half(const float* x, int64_t n, c10::Half* out) {
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(LOOPSTACK_SIMD256)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
   for (; i < n; ++i) out[i] = c10::Half(x[i]);
 }
@@ -90,6 +101,13 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out) {
     const __m512 g = _mm512_loadu_ps(gate + i);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+  }
+#elif defined(LOOPSTACK_SIMD256)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];

@@ -30,6 +30,8 @@
 #include "q4q8_matmul.h"
 
 #include "q4q8_amx.h"
+#include "q4q8_avx2.h"
+#include "simd256.h"
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -151,7 +153,15 @@ bool q4q8_is_vectorized() {
 #ifdef LOOPSTACK_Q4Q8_VNNI
   return true;
 #else
-  return false;
+  return q4q8_avx2_built();
+#endif
+}
+
+std::string q4q8_instruction_set() {
+#ifdef LOOPSTACK_Q4Q8_VNNI
+  return q4q8_amx_ready() ? "avx512_vnni+amx" : "avx512_vnni";
+#else
+  return q4q8_avx2_built() ? "avx2" : "scalar";
 #endif
 }
 
@@ -170,6 +180,14 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& q) {
       const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#elif defined(LOOPSTACK_SIMD256)
+      // the VNNI path's a + b as its two halves, and its reductions' order (simd256.h)
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      const __m256 a0 = _mm256_loadu_ps(in), a1 = _mm256_loadu_ps(in + 8);
+      const __m256 b0 = _mm256_loadu_ps(in + 16), b1 = _mm256_loadu_ps(in + 24);
+      const float amax = reduce_max16(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, b0)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, a1), _mm256_andnot_ps(sign, b1)));
+      const float sum = reduce_add16(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
 #else
       float amax = 0, sum = 0;
       for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i])), sum += in[i];
@@ -185,6 +203,18 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& q) {
         const __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(low_inverse)), kNearest);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(low + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+      }
+#elif defined(LOOPSTACK_SIMD256)
+      constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      for (int part = 0; part < 4; ++part) {
+        const __m256 v = _mm256_loadu_ps(in + 8 * part);
+        const __m256 h = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(inverse)), kNearest);
+        const __m256 rest = _mm256_fnmadd_ps(h, _mm256_set1_ps(step), v);
+        const __m256 l = _mm256_round_ps(_mm256_mul_ps(rest, _mm256_set1_ps(low_inverse)), kNearest);
+        alignas(32) int32_t hs[8], ls[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(hs), _mm256_cvtps_epi32(h));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ls), _mm256_cvtps_epi32(l));
+        for (int i = 0; i < 8; ++i) high[8 * part + i] = static_cast<int8_t>(hs[i]), low[8 * part + i] = static_cast<int8_t>(ls[i]);
       }
 #else
       for (int64_t i = 0; i < kGroup; ++i) {
@@ -225,6 +255,10 @@ void q4q8_gemm(const QuantizedRows& q, const uint8_t* w, const at::Half* scales,
     parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
       q4q8_amx_tiles(q, w, scales, n, out, bits, begin, end);
     });
+    return;
+  }
+  if (q4q8_avx2_built()) {
+    parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) { q4q8_avx2_tiles(q, w, scales, n, out, bits, begin, end); });
     return;
   }
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {

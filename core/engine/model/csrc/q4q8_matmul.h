@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace q4q8 {
@@ -48,5 +49,9 @@ at::Tensor q4q8_matmul(const at::Tensor& rows, const at::Tensor& packed, const a
 // Set the prefetch distance (bytes of codes ahead; 0: none; negative: leave it); returns the one before.
 int64_t q4q8_prefetch(int64_t bytes);
 
-// Whether q4q8_matmul runs the AVX-512 VNNI kernel (else a scalar loop, correct but slow).
+// Whether q4q8_matmul runs a vector kernel: AVX-512 VNNI (q4q8_matmul.cpp) or, without AVX-512,
+// AVX2 (q4q8_avx2.cpp), both giving the same bits; else a scalar loop, correct but slow.
 bool q4q8_is_vectorized();
+
+// Which kernel q4q8_matmul runs: "avx512_vnni+amx", "avx512_vnni", "avx2" or "scalar".
+std::string q4q8_instruction_set();

@@ -1,0 +1,228 @@
+// The q4q8 matmul on AVX2 (see q4q8_matmul.cpp for the formats and the VNNI kernel).
+//
+// AVX2 has no vpdpbusd. Its byte product, vpmaddubsw, multiplies unsigned by signed bytes and adds
+// adjacent pairs into signed 16-bit lanes, saturating; vpmaddwd then adds pairs of those into
+// 32-bit lanes with a factor. Neither saturates here: a 4-bit code is at most 15 and a digit at
+// most 127 in size, so a pair is at most 3,810 and a group's 16 products per 16-bit lane at most
+// 30,480. So a group's sum(code * high) and sum(code * low) are each eight vpmaddubsw added in
+// 16 bits, and vpmaddwd by 128 and by 1 gives 128 * sum(code * high) + sum(code * low) in 32 bits:
+// the integer the VNNI kernel gets, exactly. 8-bit codes (the head) are split into their nibbles,
+// code = 16 hi + lo, each a 4-bit product as above, joined by vpmaddwd by 2048, 16, 128 and 1.
+// The float steps per output are the VNNI kernel's (cvt, d * s, two FMAs, in that order), so every
+// output has its bits.
+//
+// A ymm register holds 8 of a tile's 16 rows: the tile runs as two halves, rows 0-7 then 8-15,
+// the second half's codes from cache. A group's codes are unpacked once into a small buffer and
+// read from it for every input row.
+#include "q4q8_avx2.h"
+
+#include "simd256.h"
+#include "spin_pool.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using q4q8::kGroup, q4q8::kTile;
+
+#ifdef LOOPSTACK_SIMD256
+// The 8 outputs of half `half` of row tile `w` (rows 8 half .. 8 half + 7) for R input rows from
+// r0: out[i * out_stride + j].
+template <int Bits, int R>
+void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int64_t r0, int64_t groups,
+                    int half, float* out, int64_t out_stride) {
+  constexpr int kGroupBytes = kTile * kGroup * Bits / 8;
+  constexpr int kVectors = Bits == 4 ? 8 : 16;  // 4-bit: [j] inputs 4j..4j+3; 8-bit: [j] low nibbles, [8 + j] high
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t codes[kVectors][32];
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t distance = r0 == 0 && half == 0 ? q4q8::prefetch_bytes() : 0;  // later passes: in cache
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kGroupBytes;
+    if (distance > 0) {
+#pragma GCC unroll 8
+      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
+    }
+    if constexpr (Bits == 4) {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {  // chunk c: inputs 8c .. 8c + 3 low nibbles, 8c + 4 .. 8c + 7 high
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c]), _mm256_and_si256(bytes, nibble));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c + 1]), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {  // chunk c: inputs 4c .. 4c + 3, whole bytes
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), _mm256_and_si256(bytes, nibble));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[8 + c]), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * half)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * half)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = r0 + i;
+      const int32_t* x = reinterpret_cast<const int32_t*>(q.codes.data() + (row * groups + g) * 2 * kGroup);
+      auto code = [&](int j) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j])); };
+      __m256i sums;  // 128 * sum(code * high) + sum(code * low), per row of the half
+      if constexpr (Bits == 4) {
+        __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          high = _mm256_add_epi16(high, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[j])));
+          low = _mm256_add_epi16(low, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[8 + j])));
+        }
+        sums = _mm256_add_epi32(_mm256_madd_epi16(high, _mm256_set1_epi16(128)), _mm256_madd_epi16(low, _mm256_set1_epi16(1)));
+      } else {
+        __m256i lo_high = _mm256_setzero_si256(), lo_low = _mm256_setzero_si256();
+        __m256i hi_high = _mm256_setzero_si256(), hi_low = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xh = _mm256_set1_epi32(x[j]), xl = _mm256_set1_epi32(x[8 + j]);
+          lo_high = _mm256_add_epi16(lo_high, _mm256_maddubs_epi16(code(j), xh));
+          lo_low = _mm256_add_epi16(lo_low, _mm256_maddubs_epi16(code(j), xl));
+          hi_high = _mm256_add_epi16(hi_high, _mm256_maddubs_epi16(code(8 + j), xh));
+          hi_low = _mm256_add_epi16(hi_low, _mm256_maddubs_epi16(code(8 + j), xl));
+        }
+        // (16 hi + lo) * (128 high + low)
+        sums = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(hi_high, _mm256_set1_epi16(2048)), _mm256_madd_epi16(hi_low, _mm256_set1_epi16(16))),
+            _mm256_add_epi32(_mm256_madd_epi16(lo_high, _mm256_set1_epi16(128)), _mm256_madd_epi16(lo_low, _mm256_set1_epi16(1))));
+      }
+      const float* s = q.scales.data() + (row * groups + g) * 2;  // (s, sum(x))
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride, acc[i]);
+}
+
+constexpr int kMaxPass = 4;
+
+// 8-bit codes (the head) by vpmaddwd instead: the codes widened to 16 bits, each input's two
+// digits joined into one 16-bit value, 128 high + low (at most 16,320 in size), so one instruction
+// multiplies 2 inputs of 4 rows at full precision, half the multiplies of the nibbles' way. The
+// integer is the same: sum(code * (128 high + low)), at most 255 * 16,320 * 32 in size.
+// wide: the rows' joined digits, [row][group][32].
+template <int R>
+void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* wide, const QuantizedRows& q, int64_t r0,
+                       int64_t groups, int half, float* out, int64_t out_stride) {
+  constexpr int kGroupBytes = kTile * kGroup;
+  alignas(32) int16_t codes[16][16];  // [2c + p]: chunk c's rows 8 half + 4p .. + 3, each (4c, 4c+1), (4c+2, 4c+3)
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  // undoes hadd's interleave
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t distance = r0 == 0 && half == 0 ? q4q8::prefetch_bytes() : 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kGroupBytes;
+    if (distance > 0) {
+#pragma GCC unroll 8
+      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; ++v) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (v / 2) * 64 + 32 * half + 16 * (v % 2)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[v]), _mm256_cvtepu8_epi16(bytes));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * half)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * half)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = r0 + i;
+      const int64_t* x = reinterpret_cast<const int64_t*>(wide + (row * groups + g) * kGroup);  // inputs 4c .. 4c + 3
+      __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();  // rows 0-3, 4-7 of the half
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m256i xs = _mm256_set1_epi64x(x[c]);
+        first = _mm256_add_epi32(first, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes[2 * c])), xs));
+        second = _mm256_add_epi32(second, _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes[2 * c + 1])), xs));
+      }
+      const __m256i sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(first, second), row_order);
+      const float* s = q.scales.data() + (row * groups + g) * 2;  // (s, sum(x))
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride, acc[i]);
+}
+
+// Each input's digits joined, 128 high + low, [row][group][32] (for half_tile_rows_q8)
+std::vector<int16_t> joined_digits(const QuantizedRows& q) {
+  const int64_t groups = q.k / kGroup;
+  std::vector<int16_t> wide(q.rows * q.k);
+  for (int64_t rg = 0; rg < q.rows * groups; ++rg) {
+    const int8_t* high = q.codes.data() + rg * 2 * kGroup;
+    for (int64_t i = 0; i < kGroup; ++i) wide[rg * kGroup + i] = static_cast<int16_t>(high[i] * 128 + high[kGroup + i]);
+  }
+  return wide;
+}
+
+void tile_all_rows_q8(const QuantizedRows& q, const int16_t* wide, const uint8_t* wt, const at::Half* dt,
+                      int64_t groups, float* ot, int64_t n) {
+  for (int half = 0; half < 2; ++half) {
+    float* oh = ot + 8 * half;
+    const int64_t m = q.rows;
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) half_tile_rows_q8<4>(wt, dt, wide, q, r, groups, half, oh + r * n, n);
+    switch (m - r) {
+      case 3: half_tile_rows_q8<3>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
+      case 2: half_tile_rows_q8<2>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
+      case 1: half_tile_rows_q8<1>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
+      default: break;
+    }
+  }
+}
+
+template <int Bits>
+void tile_all_rows(const QuantizedRows& q, const uint8_t* wt, const at::Half* dt, int64_t groups, float* ot,
+                   int64_t n) {
+  for (int half = 0; half < 2; ++half) {
+    float* oh = ot + 8 * half;
+    const int64_t m = q.rows;
+    int64_t r = 0;
+    for (; r + 8 <= m && kMaxPass >= 8; r += 8) half_tile_rows<Bits, 8>(wt, dt, q, r, groups, half, oh + r * n, n);
+    for (; r + 4 <= m; r += 4) half_tile_rows<Bits, 4>(wt, dt, q, r, groups, half, oh + r * n, n);
+    switch (m - r) {
+      case 3: half_tile_rows<Bits, 3>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      case 2: half_tile_rows<Bits, 2>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      case 1: half_tile_rows<Bits, 1>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool q4q8_avx2_built() {
+#ifdef LOOPSTACK_SIMD256
+  return true;
+#else
+  return false;
+#endif
+}
+
+void q4q8_avx2_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
+                     int bits, int64_t begin, int64_t end) {
+#ifdef LOOPSTACK_SIMD256
+  const int64_t groups = q.k / kGroup, tile_bytes = groups * kTile * kGroup * bits / 8;
+  const std::vector<int16_t> wide = bits == 8 ? joined_digits(q) : std::vector<int16_t>();
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* wt = packed + t * tile_bytes;
+    const at::Half* dt = dm + t * groups * 32;
+    if (bits == 4) tile_all_rows<4>(q, wt, dt, groups, out + t * kTile, n);
+    else tile_all_rows_q8(q, wide.data(), wt, dt, groups, out + t * kTile, n);
+  }
+#else
+  (void)q, (void)packed, (void)dm, (void)n, (void)out, (void)bits, (void)begin, (void)end;
+#endif
+}
