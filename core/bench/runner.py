@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from loopstack.bench.workload import BenchOptions, Workload
+from loopstack.engine.device import cpu_description
 from loopstack.stack.schema import ResolvedStack
 
 
@@ -91,6 +92,7 @@ async def run_bench(
         "stacks": {s.name: str(s.path) for s in stacks},
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu": cpu_description(),
         "cpus": os.cpu_count(),
         **workload.config(),
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
+__all__ = ["cpu_description", "cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -76,6 +76,26 @@ def cpu_has_int8_dot() -> bool:
     older AVX2/AVX-512 paths, so activations can use the full 8-bit range.
     """
     return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+# the instruction sets the engine's kernels choose between (csrc/), as /proc/cpuinfo names them
+_KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """This CPU's model name and which of the kernels' instruction sets it has, for a benchmark's
+    record: ``"AMD EPYC (avx2 fma f16c)"``; ``"unknown"`` where /proc/cpuinfo is not readable."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        return model
+    flags = _cpu_flags()
+    return f"{model} ({' '.join(f for f in _KERNEL_FLAGS if f in flags) or 'none of ' + '/'.join(_KERNEL_FLAGS)})"
 
 
 def _cpu_flags() -> set[str]:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from loopstack.api.server import engine_from_table
+from loopstack.engine.model.extension import load_extension
 from loopstack.engine.sampling_params import SamplingParams
 from loopstack.stack.schema import EngineTable
 
@@ -34,7 +35,10 @@ class LoopstackBackend:
         self.tokenizer = self.engine.tokenizer
 
     def describe(self) -> dict[str, Any]:
-        return {"dtype": str(self.engine.model.dtype), "quantization": getattr(self.engine, "quantization", "none")}
+        kernels = load_extension()
+        return {"dtype": str(self.engine.model.dtype), "quantization": getattr(self.engine, "quantization", "none"),
+                "q4q8_kernel": kernels.q4q8_instruction_set() if kernels is not None else "unavailable",
+                "native_decode": getattr(self.engine.model, "native_decoder", None) is not None}
 
     def reset_cache(self) -> None:
         self.engine.block_manager.reset_prefix_cache()
