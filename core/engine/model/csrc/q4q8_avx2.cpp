@@ -105,6 +105,51 @@ void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q
 
 constexpr int kMaxPass = 4;
 
+// One input row against a whole tile of 4-bit codes in one pass (a batch-1 decode step's every
+// projection): each broadcast input serves both halves and the codes stay in registers, where
+// half_tile_rows unpacks them through its buffer for the rows to share. The same sums and float
+// steps, so the same bits.
+void tile_one_row_q4(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int64_t row, int64_t groups,
+                     float* out) {
+  constexpr int kGroupBytes = kTile * kGroup / 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int64_t distance = q4q8::prefetch_bytes();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * kGroupBytes;
+    if (distance > 0) {
+#pragma GCC unroll 4
+      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
+    }
+    const int32_t* x = reinterpret_cast<const int32_t*>(q.codes.data() + (row * groups + g) * 2 * kGroup);
+    __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, low[2] = {high[0], high[1]};
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // chunk c: inputs 8c .. 8c + 3 low nibbles, 8c + 4 .. 8c + 7 high
+      const __m256i high_first = _mm256_set1_epi32(x[2 * c]), high_second = _mm256_set1_epi32(x[2 * c + 1]);
+      const __m256i low_first = _mm256_set1_epi32(x[8 + 2 * c]), low_second = _mm256_set1_epi32(x[8 + 2 * c + 1]);
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
+        const __m256i first = _mm256_and_si256(bytes, nibble), second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        high[half] = _mm256_add_epi16(high[half], _mm256_add_epi16(_mm256_maddubs_epi16(first, high_first), _mm256_maddubs_epi16(second, high_second)));
+        low[half] = _mm256_add_epi16(low[half], _mm256_add_epi16(_mm256_maddubs_epi16(first, low_first), _mm256_maddubs_epi16(second, low_second)));
+      }
+    }
+    const float* s = q.scales.data() + (row * groups + g) * 2;  // (s, sum(x))
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(high[half], _mm256_set1_epi16(128)), _mm256_madd_epi16(low[half], _mm256_set1_epi16(1)));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * half)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * half)));
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[half]);
+      acc[half] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[half]);
+    }
+  }
+  _mm256_storeu_ps(out, acc[0]);
+  _mm256_storeu_ps(out + 8, acc[1]);
+}
+
 // 8-bit codes (the head) by vpmaddwd instead: the codes widened to 16 bits, each input's two
 // digits joined into one 16-bit value, 128 high + low (at most 16,320 in size), so one instruction
 // multiplies 2 inputs of 4 rows at full precision, half the multiplies of the nibbles' way. The
@@ -219,7 +264,8 @@ void q4q8_avx2_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Ha
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* wt = packed + t * tile_bytes;
     const at::Half* dt = dm + t * groups * 32;
-    if (bits == 4) tile_all_rows<4>(q, wt, dt, groups, out + t * kTile, n);
+    if (bits == 4 && q.rows == 1) tile_one_row_q4(wt, dt, q, 0, groups, out + t * kTile);
+    else if (bits == 4) tile_all_rows<4>(q, wt, dt, groups, out + t * kTile, n);
     else tile_all_rows_q8(q, wide.data(), wt, dt, groups, out + t * kTile, n);
   }
 #else
