@@ -27,6 +27,15 @@ namespace {
 using q4q8::kGroup, q4q8::kTile;
 
 #ifdef LOOPSTACK_SIMD256
+// Ask the cache for a group's codes `distance` bytes ahead, and for the same group's scales (64
+// bytes a group) as far ahead in theirs, as the VNNI kernel does
+template <int GroupBytes>
+inline void prefetch_group(const uint8_t* codes, const at::Half* scales, int64_t distance) {
+#pragma GCC unroll 8
+  for (int line = 0; line < GroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(codes + distance + 64 * line), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales) + distance * 64 / GroupBytes, _MM_HINT_T0);
+}
+
 // The 8 outputs of half `half` of row tile `w` (rows 8 half .. 8 half + 7) for R input rows from
 // r0: out[i * out_stride + j].
 template <int Bits, int R>
@@ -42,11 +51,7 @@ void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q
   const int64_t distance = r0 == 0 && half == 0 ? q4q8::prefetch_bytes() : 0;  // later passes: in cache
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroupBytes;
-    if (distance > 0) {
-#pragma GCC unroll 8
-      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
-    }
+    if (distance > 0) prefetch_group<kGroupBytes>(wg, dm + g * 32, distance);
     if constexpr (Bits == 4) {
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {  // chunk c: inputs 8c .. 8c + 3 low nibbles, 8c + 4 .. 8c + 7 high
@@ -117,11 +122,7 @@ void tile_one_row_q4(const uint8_t* w, const at::Half* dm, const QuantizedRows& 
   const int64_t distance = q4q8::prefetch_bytes();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroupBytes;
-    if (distance > 0) {
-#pragma GCC unroll 4
-      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
-    }
+    if (distance > 0) prefetch_group<kGroupBytes>(wg, dm + g * 32, distance);
     const int32_t* x = reinterpret_cast<const int32_t*>(q.codes.data() + (row * groups + g) * 2 * kGroup);
     __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, low[2] = {high[0], high[1]};
 #pragma GCC unroll 4
@@ -167,11 +168,7 @@ void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* wide
   const int64_t distance = r0 == 0 && half == 0 ? q4q8::prefetch_bytes() : 0;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroupBytes;
-    if (distance > 0) {
-#pragma GCC unroll 8
-      for (int line = 0; line < kGroupBytes / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wg + distance + 64 * line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(dm + g * 32) + distance * 64 / kGroupBytes, _MM_HINT_T0);
-    }
+    if (distance > 0) prefetch_group<kGroupBytes>(wg, dm + g * 32, distance);
 #pragma GCC unroll 16
     for (int v = 0; v < 16; ++v) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (v / 2) * 64 + 32 * half + 16 * (v % 2)));

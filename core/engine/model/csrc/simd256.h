@@ -9,6 +9,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+
+#include "vec_exp.h"
 #define LOOPSTACK_SIMD256 1
 
 // _mm512_reduce_add_ps of the vector whose lanes 0-7 are lo and 8-15 are hi, in GCC's order:
@@ -36,16 +38,15 @@ inline __m256 scale_by_power_of_two(__m256 y, __m256 n) {
   return _mm256_mul_ps(_mm256_mul_ps(y, power(first)), power(second));
 }
 
-// exp512 (vec_exp.h) on eight floats
+// exp512 (vec_exp.h) on eight floats, step for step
 inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  using namespace vec_exp;
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kLimit)), _mm256_set1_ps(-kLimit));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 y = _mm256_set1_ps(kFirst);
+  for (const float c : kPolynomial) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   return scale_by_power_of_two(y, n);
 }
