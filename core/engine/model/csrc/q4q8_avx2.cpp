@@ -6,14 +6,13 @@
 // most 127 in size, so a pair is at most 3,810 and a group's 16 products per 16-bit lane at most
 // 30,480. So a group's sum(code * high) and sum(code * low) are each eight vpmaddubsw added in
 // 16 bits, and vpmaddwd by 128 and by 1 gives 128 * sum(code * high) + sum(code * low) in 32 bits:
-// the integer the VNNI kernel gets, exactly. 8-bit codes (the head) are split into their nibbles,
-// code = 16 hi + lo, each a 4-bit product as above, joined by vpmaddwd by 2048, 16, 128 and 1.
-// The float steps per output are the VNNI kernel's (cvt, d * s, two FMAs, in that order), so every
-// output has its bits.
+// the integer the VNNI kernel gets, exactly. 8-bit codes (the head) take vpmaddwd of the codes
+// widened to 16 bits and the digits joined (half_tile_rows_q8). The float steps per output are the
+// VNNI kernel's (cvt, d * s, two FMAs, in that order), so every output has its bits.
 //
 // A ymm register holds 8 of a tile's 16 rows: the tile runs as two halves, rows 0-7 then 8-15,
 // the second half's codes from cache. A group's codes are unpacked once into a small buffer and
-// read from it for every input row.
+// read from it for every input row; a single input row takes the whole tile in one pass instead.
 #include "q4q8_avx2.h"
 
 #include "simd256.h"
@@ -38,13 +37,12 @@ inline void prefetch_group(const uint8_t* codes, const at::Half* scales, int64_t
 
 // The 8 outputs of half `half` of row tile `w` (rows 8 half .. 8 half + 7) for R input rows from
 // r0: out[i * out_stride + j].
-template <int Bits, int R>
+template <int R>
 void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q, int64_t r0, int64_t groups,
                     int half, float* out, int64_t out_stride) {
-  constexpr int kGroupBytes = kTile * kGroup * Bits / 8;
-  constexpr int kVectors = Bits == 4 ? 8 : 16;  // 4-bit: [j] inputs 4j..4j+3; 8-bit: [j] low nibbles, [8 + j] high
+  constexpr int kGroupBytes = kTile * kGroup / 2;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  alignas(32) uint8_t codes[kVectors][32];
+  alignas(32) uint8_t codes[8][32];  // [j]: inputs 4j .. 4j + 3 of the half's rows
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -52,20 +50,11 @@ void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * kGroupBytes;
     if (distance > 0) prefetch_group<kGroupBytes>(wg, dm + g * 32, distance);
-    if constexpr (Bits == 4) {
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {  // chunk c: inputs 8c .. 8c + 3 low nibbles, 8c + 4 .. 8c + 7 high
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c]), _mm256_and_si256(bytes, nibble));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c + 1]), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) {  // chunk c: inputs 4c .. 4c + 3, whole bytes
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[c]), _mm256_and_si256(bytes, nibble));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[8 + c]), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
-      }
+    for (int c = 0; c < 4; ++c) {  // chunk c: inputs 8c .. 8c + 3 low nibbles, 8c + 4 .. 8c + 7 high
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32 * half));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c]), _mm256_and_si256(bytes, nibble));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[2 * c + 1]), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * half)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * half)));
@@ -74,31 +63,14 @@ void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q
       const int64_t row = r0 + i;
       const int32_t* x = reinterpret_cast<const int32_t*>(q.codes.data() + (row * groups + g) * 2 * kGroup);
       auto code = [&](int j) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j])); };
-      __m256i sums;  // 128 * sum(code * high) + sum(code * low), per row of the half
-      if constexpr (Bits == 4) {
-        __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();
+      __m256i high = _mm256_setzero_si256(), low = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          high = _mm256_add_epi16(high, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[j])));
-          low = _mm256_add_epi16(low, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[8 + j])));
-        }
-        sums = _mm256_add_epi32(_mm256_madd_epi16(high, _mm256_set1_epi16(128)), _mm256_madd_epi16(low, _mm256_set1_epi16(1)));
-      } else {
-        __m256i lo_high = _mm256_setzero_si256(), lo_low = _mm256_setzero_si256();
-        __m256i hi_high = _mm256_setzero_si256(), hi_low = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m256i xh = _mm256_set1_epi32(x[j]), xl = _mm256_set1_epi32(x[8 + j]);
-          lo_high = _mm256_add_epi16(lo_high, _mm256_maddubs_epi16(code(j), xh));
-          lo_low = _mm256_add_epi16(lo_low, _mm256_maddubs_epi16(code(j), xl));
-          hi_high = _mm256_add_epi16(hi_high, _mm256_maddubs_epi16(code(8 + j), xh));
-          hi_low = _mm256_add_epi16(hi_low, _mm256_maddubs_epi16(code(8 + j), xl));
-        }
-        // (16 hi + lo) * (128 high + low)
-        sums = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(hi_high, _mm256_set1_epi16(2048)), _mm256_madd_epi16(hi_low, _mm256_set1_epi16(16))),
-            _mm256_add_epi32(_mm256_madd_epi16(lo_high, _mm256_set1_epi16(128)), _mm256_madd_epi16(lo_low, _mm256_set1_epi16(1))));
+      for (int j = 0; j < 8; ++j) {
+        high = _mm256_add_epi16(high, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[j])));
+        low = _mm256_add_epi16(low, _mm256_maddubs_epi16(code(j), _mm256_set1_epi32(x[8 + j])));
       }
+      // 128 * sum(code * high) + sum(code * low), per row of the half
+      const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(high, _mm256_set1_epi16(128)), _mm256_madd_epi16(low, _mm256_set1_epi16(1)));
       const float* s = q.scales.data() + (row * groups + g) * 2;  // (s, sum(x))
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(s[0])), acc[i]);
       acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[1]), acc[i]);
@@ -107,8 +79,6 @@ void half_tile_rows(const uint8_t* w, const at::Half* dm, const QuantizedRows& q
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride, acc[i]);
 }
-
-constexpr int kMaxPass = 4;
 
 // One input row against a whole tile of 4-bit codes in one pass (a batch-1 decode step's every
 // projection): each broadcast input serves both halves and the codes stay in registers, where
@@ -224,19 +194,17 @@ void tile_all_rows_q8(const QuantizedRows& q, const int16_t* wide, const uint8_t
   }
 }
 
-template <int Bits>
-void tile_all_rows(const QuantizedRows& q, const uint8_t* wt, const at::Half* dt, int64_t groups, float* ot,
-                   int64_t n) {
+void tile_all_rows_q4(const QuantizedRows& q, const uint8_t* wt, const at::Half* dt, int64_t groups, float* ot,
+                      int64_t n) {
   for (int half = 0; half < 2; ++half) {
     float* oh = ot + 8 * half;
     const int64_t m = q.rows;
     int64_t r = 0;
-    for (; r + 8 <= m && kMaxPass >= 8; r += 8) half_tile_rows<Bits, 8>(wt, dt, q, r, groups, half, oh + r * n, n);
-    for (; r + 4 <= m; r += 4) half_tile_rows<Bits, 4>(wt, dt, q, r, groups, half, oh + r * n, n);
+    for (; r + 4 <= m; r += 4) half_tile_rows<4>(wt, dt, q, r, groups, half, oh + r * n, n);  // 8-row passes: no faster
     switch (m - r) {
-      case 3: half_tile_rows<Bits, 3>(wt, dt, q, r, groups, half, oh + r * n, n); break;
-      case 2: half_tile_rows<Bits, 2>(wt, dt, q, r, groups, half, oh + r * n, n); break;
-      case 1: half_tile_rows<Bits, 1>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      case 3: half_tile_rows<3>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      case 2: half_tile_rows<2>(wt, dt, q, r, groups, half, oh + r * n, n); break;
+      case 1: half_tile_rows<1>(wt, dt, q, r, groups, half, oh + r * n, n); break;
       default: break;
     }
   }
@@ -262,7 +230,7 @@ void q4q8_avx2_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Ha
     const uint8_t* wt = packed + t * tile_bytes;
     const at::Half* dt = dm + t * groups * 32;
     if (bits == 4 && q.rows == 1) tile_one_row_q4(wt, dt, q, 0, groups, out + t * kTile);
-    else if (bits == 4) tile_all_rows<4>(q, wt, dt, groups, out + t * kTile, n);
+    else if (bits == 4) tile_all_rows_q4(q, wt, dt, groups, out + t * kTile, n);
     else tile_all_rows_q8(q, wide.data(), wt, dt, groups, out + t * kTile, n);
   }
 #else
