@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_description", "cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
+__all__ = ["cpu_description", "cpu_flags", "cpu_has_fast_bfloat16", "cpu_has_int8_dot", "resolve_device", "resolve_dtype"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,7 +66,7 @@ def cpu_has_fast_bfloat16() -> bool:
 
     Without it a bfloat16 matmul is emulated and slower than float32.
     """
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_int8_dot() -> bool:
@@ -75,7 +75,7 @@ def cpu_has_int8_dot() -> bool:
     With it, int8 x int8 products accumulate in int32 without the 16-bit saturation of
     older AVX2/AVX-512 paths, so activations can use the full 8-bit range.
     """
-    return bool(_cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 # the instruction sets the engine's kernels choose between (csrc/), as /proc/cpuinfo names them
@@ -85,25 +85,30 @@ _KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16",
 def cpu_description() -> str:
     """This CPU's model name and which of the kernels' instruction sets it has, for a benchmark's
     record: ``"AMD EPYC (avx2 fma f16c)"``; ``"unknown"`` where /proc/cpuinfo is not readable."""
-    model = "unknown"
+    fields = _cpuinfo()
+    if not fields:
+        return "unknown"
+    flags = cpu_flags()
+    present = " ".join(f for f in _KERNEL_FLAGS if f in flags) or "none of " + "/".join(_KERNEL_FLAGS)
+    return f"{fields.get('model name', 'unknown')} ({present})"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``avx512_vnni``, ...);
+    empty where it is not readable (not Linux)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo; empty where it is not readable."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        return model
-    flags = _cpu_flags()
-    return f"{model} ({' '.join(f for f in _KERNEL_FLAGS if f in flags) or 'none of ' + '/'.join(_KERNEL_FLAGS)})"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break  # the first processor's block ends
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields

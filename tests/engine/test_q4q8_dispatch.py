@@ -4,21 +4,10 @@ the Python layers, at about a quarter of the speed)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from loopstack.engine.device import cpu_flags
 from loopstack.engine.model import extension
-
-
-def cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    for line in cpuinfo.read_text(errors="replace").splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def test_a_cpu_with_avx2_or_vnni_gets_a_vector_kernel():

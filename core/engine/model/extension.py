@@ -27,7 +27,7 @@ SOURCES = tuple(_CSRC / name for name in ("decode_layers.cpp", "q4q8_decode.cpp"
                                               "q4q8_avx2.cpp", "attend_rows.cpp",
                                               "spin_pool.cpp"))
 # bump with any change to csrc/: torch caches builds by name
-_NAME = "loopstack_kernels_v72"
+_NAME = "loopstack_kernels_v73"
 
 
 def compile_kernels(csrc: Path = _CSRC, name: str = _NAME) -> Any:

@@ -19,6 +19,7 @@
 #include "spin_pool.h"
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -125,9 +126,9 @@ void tile_one_row_q4(const uint8_t* w, const at::Half* dm, const QuantizedRows& 
 // digits joined into one 16-bit value, 128 high + low (at most 16,320 in size), so one instruction
 // multiplies 2 inputs of 4 rows at full precision, half the multiplies of the nibbles' way. The
 // integer is the same: sum(code * (128 high + low)), at most 255 * 16,320 * 32 in size.
-// wide: the rows' joined digits, [row][group][32].
+// joined: q4q8_joined_digits(q).
 template <int R>
-void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* wide, const QuantizedRows& q, int64_t r0,
+void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* joined, const QuantizedRows& q, int64_t r0,
                        int64_t groups, int half, float* out, int64_t out_stride) {
   constexpr int kGroupBytes = kTile * kGroup;
   alignas(32) int16_t codes[16][16];  // [2c + p]: chunk c's rows 8 half + 4p .. + 3, each (4c, 4c+1), (4c+2, 4c+3)
@@ -149,7 +150,7 @@ void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* wide
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t row = r0 + i;
-      const int64_t* x = reinterpret_cast<const int64_t*>(wide + (row * groups + g) * kGroup);  // inputs 4c .. 4c + 3
+      const int64_t* x = reinterpret_cast<const int64_t*>(joined + (row * groups + g) * kGroup);  // inputs 4c .. 4c + 3
       __m256i first = _mm256_setzero_si256(), second = _mm256_setzero_si256();  // rows 0-3, 4-7 of the half
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
@@ -167,51 +168,47 @@ void half_tile_rows_q8(const uint8_t* w, const at::Half* dm, const int16_t* wide
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + i * out_stride, acc[i]);
 }
 
-// Each input's digits joined, 128 high + low, [row][group][32] (for half_tile_rows_q8)
-std::vector<int16_t> joined_digits(const QuantizedRows& q) {
-  const int64_t groups = q.k / kGroup;
-  std::vector<int16_t> wide(q.rows * q.k);
-  for (int64_t rg = 0; rg < q.rows * groups; ++rg) {
-    const int8_t* high = q.codes.data() + rg * 2 * kGroup;
-    for (int64_t i = 0; i < kGroup; ++i) wide[rg * kGroup + i] = static_cast<int16_t>(high[i] * 128 + high[kGroup + i]);
+// pass(rows, r) over m input rows in passes of at most 4 (rows: std::integral_constant<int, R>; 8-row
+// passes measured no faster)
+template <class Pass>
+void in_row_passes(int64_t m, Pass&& pass) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) pass(std::integral_constant<int, 4>{}, r);
+  switch (m - r) {
+    case 3: pass(std::integral_constant<int, 3>{}, r); break;
+    case 2: pass(std::integral_constant<int, 2>{}, r); break;
+    case 1: pass(std::integral_constant<int, 1>{}, r); break;
+    default: break;
   }
-  return wide;
 }
 
-void tile_all_rows_q8(const QuantizedRows& q, const int16_t* wide, const uint8_t* wt, const at::Half* dt,
+void tile_all_rows_q8(const QuantizedRows& q, const int16_t* joined, const uint8_t* wt, const at::Half* dt,
                       int64_t groups, float* ot, int64_t n) {
-  for (int half = 0; half < 2; ++half) {
-    float* oh = ot + 8 * half;
-    const int64_t m = q.rows;
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) half_tile_rows_q8<4>(wt, dt, wide, q, r, groups, half, oh + r * n, n);
-    switch (m - r) {
-      case 3: half_tile_rows_q8<3>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
-      case 2: half_tile_rows_q8<2>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
-      case 1: half_tile_rows_q8<1>(wt, dt, wide, q, r, groups, half, oh + r * n, n); break;
-      default: break;
-    }
-  }
+  for (int half = 0; half < 2; ++half)
+    in_row_passes(q.rows, [&](auto rows, int64_t r) {
+      half_tile_rows_q8<decltype(rows)::value>(wt, dt, joined, q, r, groups, half, ot + 8 * half + r * n, n);
+    });
 }
 
 void tile_all_rows_q4(const QuantizedRows& q, const uint8_t* wt, const at::Half* dt, int64_t groups, float* ot,
                       int64_t n) {
-  for (int half = 0; half < 2; ++half) {
-    float* oh = ot + 8 * half;
-    const int64_t m = q.rows;
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) half_tile_rows<4>(wt, dt, q, r, groups, half, oh + r * n, n);  // 8-row passes: no faster
-    switch (m - r) {
-      case 3: half_tile_rows<3>(wt, dt, q, r, groups, half, oh + r * n, n); break;
-      case 2: half_tile_rows<2>(wt, dt, q, r, groups, half, oh + r * n, n); break;
-      case 1: half_tile_rows<1>(wt, dt, q, r, groups, half, oh + r * n, n); break;
-      default: break;
-    }
-  }
+  for (int half = 0; half < 2; ++half)
+    in_row_passes(q.rows, [&](auto rows, int64_t r) {
+      half_tile_rows<decltype(rows)::value>(wt, dt, q, r, groups, half, ot + 8 * half + r * n, n);
+    });
 }
 #endif
 
 }  // namespace
+
+std::vector<int16_t> q4q8_joined_digits(const QuantizedRows& q) {
+  std::vector<int16_t> joined(q.rows * q.k);
+  for (int64_t rg = 0; rg < q.rows * (q.k / kGroup); ++rg) {
+    const int8_t* high = q.codes.data() + rg * 2 * kGroup;
+    for (int64_t i = 0; i < kGroup; ++i) joined[rg * kGroup + i] = static_cast<int16_t>(high[i] * 128 + high[kGroup + i]);
+  }
+  return joined;
+}
 
 bool q4q8_avx2_built() {
 #ifdef LOOPSTACK_SIMD256
@@ -221,19 +218,18 @@ bool q4q8_avx2_built() {
 #endif
 }
 
-void q4q8_avx2_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
-                     int bits, int64_t begin, int64_t end) {
+void q4q8_avx2_tiles(const QuantizedRows& q, const int16_t* joined, const uint8_t* packed, const at::Half* dm,
+                     int64_t n, float* out, int bits, int64_t begin, int64_t end) {
 #ifdef LOOPSTACK_SIMD256
   const int64_t groups = q.k / kGroup, tile_bytes = groups * kTile * kGroup * bits / 8;
-  const std::vector<int16_t> wide = bits == 8 ? joined_digits(q) : std::vector<int16_t>();
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* wt = packed + t * tile_bytes;
     const at::Half* dt = dm + t * groups * 32;
     if (bits == 4 && q.rows == 1) tile_one_row_q4(wt, dt, q, 0, groups, out + t * kTile);
     else if (bits == 4) tile_all_rows_q4(q, wt, dt, groups, out + t * kTile, n);
-    else tile_all_rows_q8(q, wide.data(), wt, dt, groups, out + t * kTile, n);
+    else tile_all_rows_q8(q, joined, wt, dt, groups, out + t * kTile, n);
   }
 #else
-  (void)q, (void)packed, (void)dm, (void)n, (void)out, (void)bits, (void)begin, (void)end;
+  (void)q, (void)joined, (void)packed, (void)dm, (void)n, (void)out, (void)bits, (void)begin, (void)end;
 #endif
 }

@@ -8,7 +8,11 @@
 // Whether this build has the AVX2 kernel (it is built where AVX-512 VNNI is not).
 bool q4q8_avx2_built();
 
+// Each input's two digits joined, 128 high + low, [row][group][32]: what the 8-bit kernel
+// multiplies (made once per matmul, before its parallel section).
+std::vector<int16_t> q4q8_joined_digits(const QuantizedRows& q);
+
 // out[r * n + 16 t + j] for weight row tiles t in [begin, end), every row of q: the VNNI kernel's
-// tile_rows on AVX2 (q4q8_avx2.cpp).
-void q4q8_avx2_tiles(const QuantizedRows& q, const uint8_t* packed, const at::Half* dm, int64_t n, float* out,
-                     int bits, int64_t begin, int64_t end);
+// tile_rows on AVX2 (q4q8_avx2.cpp). joined: q4q8_joined_digits(q) for 8-bit codes, else unused.
+void q4q8_avx2_tiles(const QuantizedRows& q, const int16_t* joined, const uint8_t* packed, const at::Half* dm,
+                     int64_t n, float* out, int bits, int64_t begin, int64_t end);

@@ -258,7 +258,10 @@ void q4q8_gemm(const QuantizedRows& q, const uint8_t* w, const at::Half* scales,
     return;
   }
   if (q4q8_avx2_built()) {
-    parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) { q4q8_avx2_tiles(q, w, scales, n, out, bits, begin, end); });
+    const std::vector<int16_t> joined = bits == 8 ? q4q8_joined_digits(q) : std::vector<int16_t>();
+    parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
+      q4q8_avx2_tiles(q, joined.data(), w, scales, n, out, bits, begin, end);
+    });
     return;
   }
   parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
